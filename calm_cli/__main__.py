@@ -1,0 +1,3 @@
+from calm_cli.main import app
+
+app()

@@ -1,0 +1,109 @@
+"""`calm` command line. Subcommands import their heavy modules lazily so `calm --help` stays instant.
+
+User errors (CalmError) print one line on stderr and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from calm_core.errors import CalmError
+
+app = typer.Typer(help="CALM Gateway: calibrated LLM confidence.", no_args_is_help=True, add_completion=False)
+model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
+artifact_app = typer.Typer(help="Create and inspect alpha-head artifacts.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(artifact_app, name="artifact")
+
+
+def one_line_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CalmError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+@model_app.command("prepare")
+@one_line_errors
+def model_prepare(
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    force: Annotated[bool, typer.Option(help="convert again even if the cache is current")] = False,
+):
+    """Convert the embedded SmolLM2-135M-Instruct GGUF to a safetensors folder in $CALM_HOME (once)."""
+    from calm_core.models import prepare_embedded, read_model_manifest
+
+    path = prepare_embedded(dtype, force=force)
+    manifest = read_model_manifest(path)
+    typer.echo(f"{path}  (source sha256 {manifest['source_sha256'][:12]}…, {manifest['dtype']})")
+
+
+@artifact_app.command("identity")
+@one_line_errors
+def artifact_identity(
+    out: Annotated[Path, typer.Option(help="artifact folder to write")],
+    model: Annotated[Optional[str], typer.Option(help="model folder or hub id; default: embedded")] = None,
+):
+    """Write an identity α head (d = 1, l = 0) for a model: serving without calibration, same code path."""
+    from training.artifacts import write_identity_artifact
+
+    manifest = write_identity_artifact(out, model)
+    typer.echo(f"{out}  ({manifest.artifact_version})")
+
+
+@artifact_app.command("show")
+@one_line_errors
+def artifact_show(path: Path):
+    """Verify an artifact and print its manifest."""
+    from calm_core.artifact import load_artifact
+
+    loaded = load_artifact(path)
+    typer.echo(loaded.manifest.model_dump_json(indent=2))
+
+
+@app.command("eval")
+@one_line_errors
+def eval_cmd(
+    dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="name[:split], repeatable")] = [],
+    all_mc: Annotated[bool, typer.Option(help="every multiple-choice dataset, default splits")] = False,
+    model: Annotated[Optional[str], typer.Option(help="model folder or hub id; default: embedded")] = None,
+    artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact to apply")] = None,
+    limit: Annotated[int, typer.Option(help="questions per dataset (0 = all)")] = 300,
+    seed: int = 0,
+    batch_size: int = 16,
+    dtype: str = "float32",
+    out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/eval"),
+):
+    """Score a model on multiple-choice sets; write report.json, report.md and reliability.png."""
+    from calm_core.data import MC_DATASETS
+    from training.evaluate import DatasetSpec, EvalConfig, run_eval
+
+    names = list(dataset) + (list(MC_DATASETS) if all_mc else [])
+    if not names:
+        raise CalmError("name at least one --dataset, or pass --all-mc")
+    cfg = EvalConfig(
+        datasets=tuple(DatasetSpec.parse(n) for n in names),
+        model=model,
+        artifact=str(artifact) if artifact else None,
+        limit=limit or None,
+        seed=seed,
+        batch_size=batch_size,
+        dtype=dtype,
+        out_dir=str(out),
+    )
+    summary = run_eval(cfg)
+    typer.echo((out / "report.md").read_text())
+    typer.echo(f"wrote {out}/report.json, report.md, reliability.png  ({len(summary['results'])} datasets)")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())

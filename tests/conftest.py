@@ -1,0 +1,38 @@
+"""Shared fixtures. Heavy ones (the real model) are session-scoped and only built by tests marked slow."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# torch with 2 threads on a busy 2-core machine slows by 10-100x (oversubscription); tests stay single-threaded.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+os.environ.setdefault("CALM_HOME", str(REPO / ".calm"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"benchmark data not found at {SHARED_DATA}: tests read ../shared/data beside the checkout")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    from calm_core.models import prepare_embedded
+
+    return prepare_embedded("float32")
+
+
+@pytest.fixture(scope="session")
+def embedded_model(embedded_model_dir):
+    import torch
+
+    torch.set_num_threads(1)
+    from training.scoring import load_hf_model
+
+    return load_hf_model(str(embedded_model_dir), "float32")

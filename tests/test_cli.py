@@ -1,0 +1,87 @@
+"""The `calm` command line as a user runs it: bad input gives one line naming the problem, exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CALM = [sys.executable, "-m", "calm_cli"]
+
+
+def run_calm(*args, env=None, timeout=300):
+    return subprocess.run(
+        [*CALM, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
+
+
+def assert_one_line_error(proc, needle):
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert needle in lines[0]
+
+
+def test_unknown_dataset():
+    assert_one_line_error(run_calm("eval", "-d", "arc_medium"), "unknown dataset 'arc_medium'")
+
+
+def test_missing_data_file(tmp_path):
+    proc = run_calm("eval", "-d", "arc_easy", env={"CALM_DATA_DIR": str(tmp_path)})
+    assert_one_line_error(proc, "data file not found")
+
+
+def test_malformed_jsonl_line(tmp_path, shared_data):
+    (tmp_path / "arc_easy").mkdir()
+    lines = (shared_data / "arc_easy/arc_easy_test.jsonl").read_text().split("\n")[:5]
+    lines[3] = lines[3][:40]
+    (tmp_path / "arc_easy/arc_easy_test.jsonl").write_text("\n".join(lines) + "\n")
+    proc = run_calm("eval", "-d", "arc_easy", env={"CALM_DATA_DIR": str(tmp_path)})
+    assert_one_line_error(proc, "arc_easy_test.jsonl:4: malformed JSON")
+
+
+def test_no_dataset_named():
+    assert_one_line_error(run_calm("eval"), "name at least one --dataset")
+
+
+def test_missing_artifact(tmp_path):
+    proc = run_calm("artifact", "show", str(tmp_path / "none"))
+    assert_one_line_error(proc, "manifest.json is missing")
+
+
+@pytest.mark.slow
+def test_mismatched_alpha_head_is_refused(tmp_path, embedded_model_dir):
+    from calm_core.alpha_head import AlphaHead
+    from calm_core.artifact import BaseModelRef, TokenizerRef, save_artifact
+
+    save_artifact(
+        tmp_path / "wrong", AlphaHead.identity(1000), method="identity",
+        base_model=BaseModelRef(id="other", weights_sha256="0" * 64), tokenizer=TokenizerRef(sha256="1" * 64, vocab_size=1000),
+    )
+    proc = run_calm("eval", "-d", "arc_easy", "--limit", "4", "--artifact", str(tmp_path / "wrong"), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "covers 1000 tokens but the model's vocabulary has 49152")
+
+
+@pytest.mark.slow
+def test_eval_writes_report_and_identity_head_changes_nothing(tmp_path, embedded_model_dir, shared_data):
+    assert run_calm("artifact", "identity", "--out", str(tmp_path / "id")).returncode == 0
+    base = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--out", str(tmp_path / "plain"))
+    assert base.returncode == 0, base.stderr
+    with_head = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--artifact", str(tmp_path / "id"),
+                         "--out", str(tmp_path / "head"))
+    assert with_head.returncode == 0, with_head.stderr
+    plain = json.loads((tmp_path / "plain/report.json").read_text())
+    headed = json.loads((tmp_path / "head/report.json").read_text())
+    m = plain["results"]["arc_easy:dev"]
+    assert m["n"] == 24 and 0 <= m["accuracy"] <= 1 and 0 <= m["ece_10"] <= 1
+    assert headed["artifact"].startswith("identity-")
+    assert headed["results"]["arc_easy:dev"]["nll"] == pytest.approx(m["nll"], abs=1e-9)
+    assert (tmp_path / "plain/reliability.png").stat().st_size > 10_000
+    assert "| arc_easy:dev | 24 |" in (tmp_path / "plain/report.md").read_text()
