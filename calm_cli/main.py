@@ -18,7 +18,9 @@ app = typer.Typer(help="CALM Gateway: calibrated LLM confidence.", no_args_is_he
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
 artifact_app = typer.Typer(help="Create and inspect alpha-head artifacts.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+split_app = typer.Typer(help="Inspect domain splits.", no_args_is_help=True)
 app.add_typer(artifact_app, name="artifact")
+app.add_typer(split_app, name="split")
 
 
 def one_line_errors(fn):
@@ -52,11 +54,12 @@ def model_prepare(
 def artifact_identity(
     out: Annotated[Path, typer.Option(help="artifact folder to write")],
     model: Annotated[Optional[str], typer.Option(help="model folder or hub id; default: embedded")] = None,
+    reference: Annotated[bool, typer.Option(help="score the bundled questions for reference histograms")] = True,
 ):
     """Write an identity α head (d = 1, l = 0) for a model: serving without calibration, same code path."""
     from training.artifacts import write_identity_artifact
 
-    manifest = write_identity_artifact(out, model)
+    manifest = write_identity_artifact(out, model, with_reference=reference)
     typer.echo(f"{out}  ({manifest.artifact_version})")
 
 
@@ -68,6 +71,26 @@ def artifact_show(path: Path):
 
     loaded = load_artifact(path)
     typer.echo(loaded.manifest.model_dump_json(indent=2))
+
+
+@split_app.command("show")
+@one_line_errors
+def split_show(path: Path):
+    """Validate a split config, apply it to the data, and print the question count per role and source."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from calm_core.splits import ROLES, load_split, materialize
+
+    m = materialize(load_split(path))
+    table = Table(title=f"split {m.config.name!r} (seed {m.config.seed})")
+    for col in ("role", "source", "questions"):
+        table.add_column(col)
+    for role in ROLES:
+        for label, qs in m.sources[role].items():
+            table.add_row(role, label, str(len(qs)))
+    Console().print(table)
+    typer.echo(f"dropped as test duplicates: train {m.dropped['train']}, calibration {m.dropped['calibration']}")
 
 
 @app.command("eval")
@@ -103,6 +126,48 @@ def eval_cmd(
     summary = run_eval(cfg)
     typer.echo((out / "report.md").read_text())
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png  ({len(summary['results'])} datasets)")
+
+
+@app.command("serve")
+@one_line_errors
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="default: CALM_HOST or 127.0.0.1")] = None,
+    port: Annotated[Optional[int], typer.Option(help="default: CALM_PORT or 8000")] = None,
+    artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact; default: the model's shipped one")] = None,
+):
+    """Run the gateway: OpenAI-compatible API with calibrated confidence (settings from CALM_* variables)."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from calm_cli.serving import build_gateway
+    from gateway.settings import GatewaySettings
+
+    try:
+        settings = GatewaySettings(**{k: v for k, v in {"host": host, "port": port, "artifact": str(artifact) if artifact else None}.items() if v is not None})
+    except ValidationError as e:
+        raise CalmError(f"invalid settings: {e.errors()[0]['msg']}") from None
+    app_ = build_gateway(settings)
+    typer.echo(f"CALM Gateway on http://{settings.host}:{settings.port}  (model {settings.served_model_name}, engine {settings.engine.value})")
+    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False)
+
+
+@app.command("engine")
+@one_line_errors
+def engine(
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact; default: the model's shipped one")] = None,
+):
+    """Start a vLLM OpenAI server with the α-head logits processor, for gateways with CALM_ENGINE=upstream."""
+    import os
+
+    from calm_cli.serving import engine_server_command
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(**({"artifact": str(artifact)} if artifact else {}))
+    argv, env = engine_server_command(settings, host, port)
+    typer.echo("exec " + " ".join(argv))
+    os.execve(argv[0], argv, env)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -115,6 +115,7 @@ def save_artifact(
             has_adapter=adapter_dir is not None,
         )
         _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        _make_readable(tmp)  # mkdtemp makes it private; engines may run as other users
         _replace_dir(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -127,6 +128,12 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _make_readable(folder: Path) -> None:
+    folder.chmod(0o755)
+    for p in folder.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -170,6 +170,21 @@ def load_open(dataset: str, split: str | None = None, root: Path | None = None) 
     return load_open_file(dataset_path(dataset, split or default_split(dataset), root))
 
 
+_SERVING_DOMAINS = {
+    "arc_easy": "science", "arc_challenge": "science", "openbookqa": "science",
+    "commonsenseqa": "commonsense", "medmcqa": "medicine", "triviaqa": "trivia", "popqa": "entity_knowledge",
+}
+
+
+def serving_domain(q: MCQuestion | OpenQuestion) -> str:
+    """The domain label the gateway uses for a question (bounded, lower-case): science, commonsense, medicine,
+    mmlu_stem, mmlu_humanities, mmlu_social_sciences, mmlu_other, ..."""
+    if q.dataset == "mmlu":
+        category = getattr(q, "category", None) or "other"
+        return f"mmlu_{category.lower()}"
+    return _SERVING_DOMAINS.get(q.dataset, q.domain.lower())
+
+
 _WS = re.compile(r"\s+")
 _PUNCT = re.compile(r"[^\w\s]")
 

@@ -135,10 +135,15 @@ def resolve_model(spec: str | None, dtype: str = "float32", home: Path | None = 
 
 
 def model_weights_sha256(model: ResolvedModel) -> str:
-    """Weights hash for manifests: read from the conversion manifest when present, else computed; hub ids use the id."""
+    """What identifies a model's weights in manifests.
+
+    A folder converted from a GGUF is identified by the GGUF's SHA-256 (the conversion is deterministic, while the
+    bytes of the written safetensors may change with the transformers version); other folders by their weight
+    files' hash; hub ids by the id.
+    """
     if not model.local:
         return f"hub:{model.path}"
     manifest = read_model_manifest(Path(model.path))
-    if manifest and "weights_sha256" in manifest:
-        return manifest["weights_sha256"]
+    if manifest and "source_sha256" in manifest:
+        return f"gguf:{manifest['source_sha256']}"
     return weights_sha256(model.path)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Sequence
 from typing import Protocol
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
+from calm_core.errors import ModelError
 
 LETTERS = tuple(string.ascii_uppercase[:MAX_OPTIONS])  # A..M
 
@@ -42,3 +44,33 @@ def render_chat(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> str
 
 def letter_prompt(tokenizer: ChatTokenizer, q: MCQuestion) -> str:
     return render_chat(tokenizer, letter_messages(q))
+
+
+def letter_token_ids(tokenizer) -> list[int]:
+    """Token id of each letter A..M as the model emits it right after the assistant prompt."""
+    ids = []
+    for letter in LETTERS:
+        toks = tokenizer.encode(letter, add_special_tokens=False)
+        if len(toks) != 1:
+            raise ModelError(f"tokenizer splits the answer letter {letter!r} into {len(toks)} tokens")
+        ids.append(int(toks[0]))
+    return ids
+
+
+_OPTION_LINE = re.compile(r"^\s*\(?([A-M])[.):]\s+\S", re.MULTILINE)
+
+
+def detect_option_letters(text: str) -> tuple[str, ...] | None:
+    """Letters of an options question written in the text ("A. ...", "B) ...", "(C) ..."), if it is one.
+
+    The letters must run A, B, C, ... without gaps, at least two of them; otherwise the text is not treated as a
+    multiple-choice question.
+    """
+    found = []
+    for match in _OPTION_LINE.finditer(text):
+        letter = match.group(1)
+        if letter == LETTERS[len(found)] if len(found) < len(LETTERS) else False:
+            found.append(letter)
+        elif letter == "A":
+            found = ["A"]  # a later list restarts: the last complete run wins
+    return tuple(found) if len(found) >= MIN_OPTIONS else None

@@ -71,7 +71,7 @@ def test_mismatched_alpha_head_is_refused(tmp_path, embedded_model_dir):
 
 @pytest.mark.slow
 def test_eval_writes_report_and_identity_head_changes_nothing(tmp_path, embedded_model_dir, shared_data):
-    assert run_calm("artifact", "identity", "--out", str(tmp_path / "id")).returncode == 0
+    assert run_calm("artifact", "identity", "--no-reference", "--out", str(tmp_path / "id")).returncode == 0
     base = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--out", str(tmp_path / "plain"))
     assert base.returncode == 0, base.stderr
     with_head = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--artifact", str(tmp_path / "id"),

@@ -1,13 +1,22 @@
-"""Building artifacts from a model: references to the base model and tokenizer, identity heads."""
+"""Building artifacts from a model: references to the base model and tokenizer, reference confidence histograms,
+identity heads (the same serving path without calibration)."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from calm_core.alpha_head import AlphaHead
-from calm_core.artifact import ArtifactManifest, BaseModelRef, TokenizerRef, save_artifact
-from calm_core.hashing import vocab_sha256
+from calm_core.artifact import ArtifactManifest, BaseModelRef, DataRef, ReferenceHistogram, TokenizerRef, save_artifact
+from calm_core.data import MC_DATASETS, MCQuestion, default_split, load_mc, serving_domain
+from calm_core.hashing import sha256_file, vocab_sha256
+from calm_core.metrics import calibration_report, confidence_histogram, top_label
 from calm_core.models import ResolvedModel, model_weights_sha256, resolve_model
+from calm_core.paths import BUNDLED_DATA_DIR
+
+REFERENCE_BINS = 20
 
 
 def model_refs(resolved: ResolvedModel, tokenizer, vocab_size: int) -> tuple[BaseModelRef, TokenizerRef]:
@@ -24,11 +33,46 @@ def output_vocab_size(model_path: str) -> int:
     return int(AutoConfig.from_pretrained(model_path).vocab_size)
 
 
-def write_identity_artifact(out: str | Path, model: str | None = None) -> ArtifactManifest:
-    from transformers import AutoTokenizer
+def reference_questions(root: Path = BUNDLED_DATA_DIR) -> list[MCQuestion]:
+    """Held-out questions for reference histograms: the bundled subset, so any machine can rebuild them."""
+    return [q for name in MC_DATASETS for q in load_mc(name, default_split(name), root)]
+
+
+def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: AlphaHead | None, batch_size: int = 16):
+    """Per serving domain (and 'all'): the histogram of calibrated top-label confidences, and the metrics."""
+    from training.scoring import score_letters
+
+    scores = score_letters(model, tokenizer, questions, batch_size, description="reference")
+    probs = scores.probs(head)
+    confidence, _ = top_label(probs, scores.labels)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, q in enumerate(questions):
+        groups[serving_domain(q)].append(i)
+    groups["all"] = list(range(len(questions)))
+    histograms, metrics = {}, {}
+    for domain, idx in sorted(groups.items()):
+        idx = np.asarray(idx)
+        edges, counts = confidence_histogram(confidence[idx], REFERENCE_BINS)
+        histograms[domain] = ReferenceHistogram(bin_edges=edges, counts=counts)
+        width = int(scores.n_options[idx].max())
+        report = calibration_report(probs[idx][:, :width], scores.labels[idx], n_boot=1)
+        metrics[domain] = {k: float(v) for k, v in report.as_dict().items() if not isinstance(v, (tuple, list))}
+    return histograms, metrics
+
+
+def write_identity_artifact(out: str | Path, model: str | None = None, with_reference: bool = True) -> ArtifactManifest:
+    from training.scoring import load_causal_lm, load_tokenizer
 
     resolved = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path)
+    tokenizer = load_tokenizer(resolved.path)
     vocab = output_vocab_size(resolved.path)
     base, tok = model_refs(resolved, tokenizer, vocab)
-    return save_artifact(out, AlphaHead.identity(vocab), base_model=base, tokenizer=tok, method="identity")
+    head = AlphaHead.identity(vocab)
+    histograms, metrics, data = {}, {}, []
+    if with_reference:
+        questions = reference_questions()
+        histograms, metrics = reference_statistics(load_causal_lm(resolved.path), tokenizer, questions, head)
+        data = [DataRef(name=f"reference:{p.parent.name}/{p.name}", sha256=sha256_file(p))
+                for p in sorted(BUNDLED_DATA_DIR.glob("*/*.jsonl"))]
+    return save_artifact(out, head, base_model=base, tokenizer=tok, method="identity", training_data=data,
+                         metrics=metrics, reference_histograms=histograms)

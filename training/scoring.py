@@ -16,18 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calm_core.alpha_head import AlphaHead, apply_alpha, option_probs
 from calm_core.data import MCQuestion
 from calm_core.errors import ModelError
-from calm_core.prompts import LETTERS, letter_prompt
-
-
-def letter_token_ids(tokenizer) -> np.ndarray:
-    """Token id of each letter A..M as the model would emit it right after the assistant prompt."""
-    ids = []
-    for letter in LETTERS:
-        toks = tokenizer.encode(letter, add_special_tokens=False)
-        if len(toks) != 1:
-            raise ModelError(f"tokenizer splits the answer letter {letter!r} into {len(toks)} tokens")
-        ids.append(toks[0])
-    return np.asarray(ids, dtype=np.int64)
+from calm_core.prompts import letter_prompt, letter_token_ids
 
 
 @dataclass
@@ -111,7 +100,7 @@ def score_letters(
     description: str = "scoring",
     show_progress: bool = True,
 ) -> LetterScores:
-    letter_ids = letter_token_ids(tokenizer)
+    letter_ids = np.asarray(letter_token_ids(tokenizer), dtype=np.int64)
     prompts = [letter_prompt(tokenizer, q) for q in questions]
     # Length-sorted batches waste little on padding; results go back to the input order.
     order = np.argsort([len(p) for p in prompts], kind="stable")

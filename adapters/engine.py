@@ -1,0 +1,90 @@
+"""The engine-facing contract the gateway depends on, independent of where vLLM runs.
+
+Requests carry a rendered prompt (the gateway applies the chat template) and what to return: the log-probs of given
+option tokens at the first position (multiple choice) or the top-k log-probs of each generated token (free form).
+All log-probs are the engine's calibrated ones (α head applied inside vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve now (dead upstream, timeout, shut down): the gateway answers 503."""
+
+
+class EngineRejected(Exception):
+    """The engine refused the request as invalid (e.g. prompt too long): the gateway answers 400."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt: str
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0  # top-k calibrated log-probs per generated token (free form)
+    option_token_ids: tuple[int, ...] = ()  # multiple choice: restrict output to these, return their log-probs
+    calibrated: bool = True  # False: the raw model's numbers (α head skipped for this request)
+
+
+@dataclass
+class EngineDelta:
+    """A piece of output: new text, and per new token its id, calibrated log-prob and top/option log-probs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+
+
+@dataclass
+class EngineOutput:
+    text: str
+    token_ids: list[int]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str | None
+    prompt_tokens: int
+
+    @classmethod
+    def collect(cls, deltas: list[EngineDelta]) -> "EngineOutput":
+        out = cls("", [], [], [], None, 0)
+        for d in deltas:
+            out.text += d.text
+            out.token_ids += d.token_ids
+            out.token_logprobs += d.token_logprobs
+            out.top_logprobs += d.top_logprobs
+            out.finish_reason = d.finish_reason or out.finish_reason
+            out.prompt_tokens = d.prompt_tokens if d.prompt_tokens is not None else out.prompt_tokens
+        return out
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    model_name: str
+    artifact_version: str
+    max_model_len: int
+
+    async def start(self) -> None: ...
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None:
+        """Raise EngineUnavailable when the engine cannot serve."""
+
+    async def close(self) -> None: ...
+
+
+async def generate(engine: EngineClient, request: EngineRequest) -> EngineOutput:
+    return EngineOutput.collect([d async for d in engine.stream(request)])

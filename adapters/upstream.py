@@ -1,0 +1,121 @@
+"""One or more vLLM OpenAI servers over HTTP (started with `calm engine`, so the α head runs inside them).
+
+Requests go round-robin over the servers through one pooled httpx client with explicit timeouts; a server that
+refuses the connection or times out makes the request fail fast with EngineUnavailable (the gateway answers 503).
+Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are keyed by id, as in-process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+
+from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
+from adapters.vllm_common import OPT_OUT_KEY
+
+
+def _token_id(token: str) -> int:
+    return int(token.rsplit(":", 1)[1])
+
+
+def _payload(model: str, r: EngineRequest) -> dict:
+    body = {
+        "model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": r.temperature,
+        "top_p": r.top_p, "stream": True, "stream_options": {"include_usage": True},
+        "return_tokens_as_token_ids": True, "add_special_tokens": False,
+    }
+    if r.seed is not None:
+        body["seed"] = r.seed
+    if r.stop:
+        body["stop"] = list(r.stop)
+    if r.option_token_ids:
+        body["allowed_token_ids"] = list(r.option_token_ids)
+        body["logprob_token_ids"] = list(r.option_token_ids)
+    else:
+        body["logprobs"] = r.top_logprobs
+    if not r.calibrated:
+        body["vllm_xargs"] = {OPT_OUT_KEY: 0}
+    return body
+
+
+def _delta(chunk: dict) -> EngineDelta:
+    delta = EngineDelta()
+    if chunk.get("usage"):
+        delta.prompt_tokens = chunk["usage"].get("prompt_tokens")
+    for choice in chunk.get("choices") or []:
+        delta.text += choice.get("text") or ""
+        delta.finish_reason = choice.get("finish_reason") or delta.finish_reason
+        lp = choice.get("logprobs") or {}
+        for tok, tok_lp, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
+            tid = _token_id(tok)
+            delta.token_ids.append(tid)
+            delta.token_logprobs.append(float("nan") if tok_lp is None else float(tok_lp))
+            delta.top_logprobs.append({_token_id(t): float(v) for t, v in (top or {}).items()})
+    return delta
+
+
+class UpstreamVLLMEngine:
+    def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
+                 timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256):
+        if not urls:
+            raise ValueError("at least one upstream URL is needed")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model_name = model_name
+        self.artifact_version = artifact_version
+        self.max_model_len = max_model_len
+        self._next = itertools.cycle(range(len(self.urls)))
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if self._client is None:
+            raise EngineUnavailable("upstream client not started")
+        url = self.urls[next(self._next)]
+        try:
+            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(self.model_name, request)) as resp:
+                if resp.status_code == 400:
+                    body = json.loads(await resp.aread() or b"{}")
+                    raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
+                if resp.status_code != 200:
+                    raise EngineUnavailable(f"upstream {url} answered HTTP {resp.status_code}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise EngineUnavailable(f"upstream error: {chunk['error'].get('message')}")
+                    yield _delta(chunk)
+        except httpx.TimeoutException:
+            raise EngineUnavailable(f"upstream {url} timed out") from None
+        except httpx.TransportError as e:
+            raise EngineUnavailable(f"upstream {url} unreachable ({type(e).__name__})") from None
+
+    async def abort(self, request_id: str) -> None:
+        return None  # closing the HTTP stream makes vLLM abort the request
+
+    async def check_health(self) -> None:
+        if self._client is None:
+            raise EngineUnavailable("upstream client not started")
+        for url in self.urls:
+            try:
+                resp = await self._client.get(f"{url}/health", timeout=httpx.Timeout(2.0))
+                if resp.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                continue
+        raise EngineUnavailable(f"no upstream answers /health ({', '.join(self.urls)})")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

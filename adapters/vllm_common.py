@@ -1,0 +1,61 @@
+"""Engine settings and names shared by the in-process engine and the `calm engine` server, so both calibrate identically."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Names shared with the logits processor; kept here so HTTP clients need no vLLM import.
+ARTIFACT_ENV = "CALM_ARTIFACT"
+OPT_OUT_KEY = "calm_alpha"
+LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    artifact_path: str
+    served_model_name: str = "calm"
+    dtype: str = "float32"  # fp32 matches HF to ~5e-5 on CPU; bf16 drifts by up to ~0.5 in log-prob
+    max_model_len: int = 2048
+    kv_cache_bytes: int = 512 * 1024**2
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def env(self) -> dict[str, str]:
+        """Environment the engine (and its worker processes) needs."""
+        return {
+            ARTIFACT_ENV: os.path.abspath(self.artifact_path),
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        }
+
+    def engine_kwargs(self) -> dict:
+        return dict(
+            model=self.model_path,
+            served_model_name=[self.served_model_name],
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=self.kv_cache_bytes,
+            max_logprobs=self.max_logprobs,
+            # Returned log-probs must be the calibrated ones, i.e. taken after our logits processor.
+            logprobs_mode="processed_logprobs",
+            logits_processors=[LOGITS_PROCESSOR],
+            enforce_eager=True,
+            seed=self.seed,
+        )
+
+    def server_args(self, host: str, port: int) -> list[str]:
+        return [
+            "--model", self.model_path,
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+            "--max-logprobs", str(self.max_logprobs),
+            "--logprobs-mode", "processed_logprobs",
+            "--logits-processors", LOGITS_PROCESSOR,
+            "--enforce-eager",
+            "--seed", str(self.seed),
+            "--host", host,
+            "--port", str(port),
+        ]

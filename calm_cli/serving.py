@@ -1,0 +1,76 @@
+"""Composition of the gateway and the engine server from settings (kept out of `gateway`, which imports no engine)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from calm_core.artifact import load_artifact
+from calm_core.errors import CalmError
+from calm_core.hashing import vocab_sha256
+from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
+from calm_core.paths import BUNDLED_DIR
+
+DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
+
+
+def default_artifact(model: ResolvedModel) -> Path:
+    if model.id not in DEFAULT_ARTIFACTS:
+        raise CalmError(f"no default alpha-head artifact for model {model.id!r}: set CALM_ARTIFACT (or --artifact); "
+                        "`calm artifact identity --out DIR --model ...` writes an uncalibrated one")
+    return DEFAULT_ARTIFACTS[model.id]
+
+
+def load_checked(model: ResolvedModel, artifact_path: Path):
+    """(tokenizer, artifact): the artifact verified against the model's tokenizer and vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    vocab = int(AutoConfig.from_pretrained(model.path).vocab_size)
+    artifact = load_artifact(artifact_path, expect_vocab_size=vocab, expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
+    return tokenizer, artifact
+
+
+def engine_config(settings, model: ResolvedModel, artifact_path: Path):
+    from adapters.vllm_common import EngineConfig
+
+    return EngineConfig(
+        model_path=model.path, artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
+        dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2,
+    )
+
+
+def build_gateway(settings):
+    """The FastAPI app for these settings, with its engine (in-process vLLM or upstream servers)."""
+    from gateway.app import create_app
+    from gateway.settings import EngineKind
+
+    model = resolve_model(settings.model, "float32")
+    artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
+    tokenizer, artifact = load_checked(model, artifact_path)
+    if settings.engine is EngineKind.INPROCESS:
+        from adapters.inprocess import InProcessVLLMEngine
+
+        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path))
+    else:
+        from adapters.upstream import UpstreamVLLMEngine
+
+        engine = UpstreamVLLMEngine(
+            settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version,
+            settings.max_model_len, settings.upstream_timeout_s, settings.upstream_connect_timeout_s,
+        )
+    return create_app(settings, engine, tokenizer, artifact)
+
+
+def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for a vLLM OpenAI server with the α-head logits processor configured."""
+    import sys
+
+    model = resolve_model(settings.model, "float32")
+    artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
+    load_checked(model, artifact_path)  # refuse a mismatched artifact before a 30-second engine start
+    cfg = engine_config(settings, model, artifact_path)
+    env = {**os.environ, **cfg.env()}
+    repo_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cfg.server_args(host, port)], env

@@ -1,0 +1,133 @@
+"""Domain splits declared in config: which datasets (and MMLU subjects/categories) are used to train, to calibrate,
+to test in-domain and to test out-of-domain.
+
+A source takes a fraction range of a seeded permutation of one file, so one file can feed several roles without
+overlap. Whatever the config says, no test question reaches training or calibration: questions whose normalised text
+appears in any test set are dropped from those roles (MMLU, for one, repeats val questions in test).
+"""
+
+from __future__ import annotations
+
+import random
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from calm_core.data import DATASET_FILES, MCQuestion, load_mc, normalize_text
+from calm_core.errors import ConfigError
+
+ROLES = ("train", "calibration", "test_in_domain", "test_out_of_domain")
+TEST_ROLES = ("test_in_domain", "test_out_of_domain")
+
+
+class SourceSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str
+    split: str
+    subjects: list[str] | None = None
+    categories: list[str] | None = None
+    fraction: tuple[float, float] = (0.0, 1.0)
+    limit: int | None = None
+    name: str | None = None  # label in reports; defaults to dataset[:categories]
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.dataset not in DATASET_FILES:
+            raise ValueError(f"unknown dataset {self.dataset!r}")
+        if self.split not in DATASET_FILES[self.dataset]:
+            raise ValueError(f"dataset {self.dataset!r} has no split {self.split!r}")
+        lo, hi = self.fraction
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"fraction must satisfy 0 <= start < end <= 1, got {self.fraction}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("limit must be positive")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return self.dataset + (f"[{'+'.join(self.categories)}]" if self.categories else "")
+
+
+class DomainSplit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    seed: int = 0
+    train: list[SourceSpec]
+    calibration: list[SourceSpec]
+    test_in_domain: list[SourceSpec]
+    test_out_of_domain: list[SourceSpec]
+
+    @field_validator("train", "calibration", "test_in_domain", "test_out_of_domain")
+    @classmethod
+    def _non_empty(cls, v):
+        if not v:
+            raise ValueError("needs at least one source")
+        return v
+
+
+def load_split(path: str | Path) -> DomainSplit:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"split config not found: {path}")
+    try:
+        return DomainSplit.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def select(spec: SourceSpec, seed: int, root: Path | None = None) -> list[MCQuestion]:
+    questions = load_mc(spec.dataset, spec.split, root)
+    if spec.subjects is not None:
+        questions = [q for q in questions if q.subject in spec.subjects]
+    if spec.categories is not None:
+        questions = [q for q in questions if q.category in spec.categories]
+    # The permutation depends on the file and seed only, so fraction ranges of one file never overlap.
+    order = list(range(len(questions)))
+    random.Random(f"{seed}:{spec.dataset}:{spec.split}").shuffle(order)
+    lo, hi = (round(f * len(order)) for f in spec.fraction)
+    picked = [questions[i] for i in order[lo:hi]]
+    return picked[: spec.limit] if spec.limit else picked
+
+
+@dataclass
+class MaterializedSplit:
+    """Questions per role and source label, after leakage removal; `dropped` counts removed questions per role."""
+
+    config: DomainSplit
+    sources: dict[str, dict[str, list[MCQuestion]]]
+    dropped: dict[str, int]
+
+    def role(self, role: str) -> list[MCQuestion]:
+        return [q for qs in self.sources[role].values() for q in qs]
+
+
+def materialize(split: DomainSplit, root: Path | None = None) -> MaterializedSplit:
+    sources = {role: {s.label: select(s, split.seed, root) for s in getattr(split, role)} for role in ROLES}
+    test_texts = {normalize_text(q.question) for role in TEST_ROLES for qs in sources[role].values() for q in qs}
+    dropped = {}
+    for role in ("train", "calibration"):
+        before = sum(len(qs) for qs in sources[role].values())
+        sources[role] = {
+            label: [q for q in qs if normalize_text(q.question) not in test_texts] for label, qs in sources[role].items()
+        }
+        dropped[role] = before - sum(len(qs) for qs in sources[role].values())
+    result = MaterializedSplit(split, sources, dropped)
+    assert_no_leakage(result)
+    return result
+
+
+def assert_no_leakage(m: MaterializedSplit) -> None:
+    test_texts = {normalize_text(q.question) for role in TEST_ROLES for q in m.role(role)}
+    for role in ("train", "calibration"):
+        leaked = [q.id for q in m.role(role) if normalize_text(q.question) in test_texts]
+        if leaked:
+            raise ConfigError(f"split {m.config.name!r}: {len(leaked)} test questions leak into {role} (e.g. {leaked[0]})")

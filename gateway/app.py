@@ -1,0 +1,176 @@
+"""The FastAPI application, built by a factory: nothing is created at import time, so tests inject what they need."""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from adapters.engine import EngineClient
+from calm_core.artifact import LoadedArtifact
+from gateway.errors import APIError, install_error_handlers
+from gateway.monitoring import DomainMonitor, Metrics
+from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
+from gateway.protocol import (
+    ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard, ModelList, PolicyOut,
+)
+from gateway.serving import CalibratedService
+from gateway.settings import GatewaySettings
+from gateway.store import Store, VersionConflict
+
+DOMAIN_HEADER = "x-calm-domain"
+_DOMAIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+
+
+def create_app(
+    settings: GatewaySettings,
+    engine: EngineClient,
+    tokenizer,
+    artifact: LoadedArtifact,
+    store: Store | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
+    registry = registry or CollectorRegistry()
+    store = store or Store(settings.db_path)
+    metrics = Metrics(registry)
+    monitor = DomainMonitor(metrics, artifact.manifest.reference_histograms, settings.domains, settings.drift_window)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        try:
+            yield
+        finally:  # the engine and the database always shut down, however the server stops
+            await engine.close()
+            store.close()
+
+    app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    service = CalibratedService(settings, engine, tokenizer, store, monitor)
+    app.state.service = service
+
+    def admin(authorization: str | None = Header(default=None)) -> str:
+        if not authorization:
+            raise APIError(401, "admin key required: send 'Authorization: Bearer <key>'", "authentication_error")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), settings.admin_key.encode()):
+            raise APIError(403, "admin key is not valid", "permission_error")
+        return "admin"
+
+    def checked_domain(domain: str) -> str:
+        if domain != DEFAULT_DOMAIN and not _DOMAIN_NAME.match(domain):
+            raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters", param="domain")
+        return domain
+
+    async def observed(endpoint: str, call, req, domain_header):
+        start = time.perf_counter()
+        domain = service.monitor.label(domain_header)
+        try:
+            domain, result = await call(req, domain_header)
+        except APIError as e:
+            metrics.errors.labels(endpoint, domain, e.type).inc()
+            metrics.requests.labels(endpoint, domain, str(e.status)).inc()
+            raise
+        except Exception as e:
+            metrics.errors.labels(endpoint, domain, type(e).__name__).inc()
+            metrics.requests.labels(endpoint, domain, "503" if "Engine" in type(e).__name__ else "500").inc()
+            raise
+        metrics.requests.labels(endpoint, domain, "200").inc()
+        if not isinstance(result, (dict,)) and hasattr(result, "__aiter__"):
+            return StreamingResponse(result, media_type="text/event-stream")
+        metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None)):
+        return await observed("chat", service.chat, req, x_calm_domain)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None)):
+        return await observed("completions", service.completion, req, x_calm_domain)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.model_name)])
+
+    @app.get("/health")
+    async def health():
+        await engine.check_health()
+        return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/feedback")
+    async def feedback(req: FeedbackRequest) -> FeedbackResponse:
+        found = store.get_response(req.response_id)
+        if found is None:
+            raise APIError(404, f"no response with id {req.response_id!r}", "not_found_error", "response_id")
+        domain, _ = found
+        stored = store.add_feedback(req.response_id, req.correct)
+        if stored is None:
+            raise APIError(409, f"response {req.response_id!r} already has different feedback", "conflict_error",
+                           "correct")
+        if stored:
+            confidences, outcomes = store.recent_feedback(domain, settings.feedback_window)
+            monitor.observe_feedback(domain, req.correct, confidences, outcomes)
+        return FeedbackResponse(response_id=req.response_id, correct=req.correct, recorded=stored, domain=domain)
+
+    # -- admin: abstention policies ------------------------------------------------------------------------------
+    def policy_out(domain: str, body: dict, version: int) -> PolicyOut:
+        policy = Policy.model_validate(body)
+        effective = resolve(policy, domain, monitor.reference(domain), None).threshold
+        return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"), effective_threshold=effective)
+
+    @app.get("/admin/policies")
+    async def list_policies(_: str = Depends(admin)):
+        return {"data": [policy_out(d, b, v) for d, (b, v) in store.list_policies().items()]}
+
+    @app.get("/admin/policies/{domain}")
+    async def get_policy(domain: str, _: str = Depends(admin)) -> PolicyOut:
+        found = store.get_policy(checked_domain(domain))
+        if found is None:
+            raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
+        return policy_out(domain, *found)
+
+    @app.put("/admin/policies/{domain}")
+    async def put_policy(domain: str, request: Request, actor: str = Depends(admin),
+                         if_match: str | None = Header(default=None)) -> PolicyOut:
+        checked_domain(domain)
+        try:
+            policy = Policy.model_validate_json(await request.body())
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"])
+            raise APIError(400, f"invalid policy: {(loc + ': ') if loc else ''}{err['msg']}", param=loc or None) from None
+        expected = None
+        if if_match is not None:
+            if not if_match.strip('"').isdigit():
+                raise APIError(400, "If-Match must be a policy version number", param="If-Match")
+            expected = int(if_match.strip('"'))
+        try:
+            version = store.put_policy(domain, policy.model_dump(mode="json"), actor, expected)
+        except VersionConflict as e:
+            raise APIError(409, str(e), "conflict_error") from None
+        service.policies.refresh()
+        return policy_out(domain, policy.model_dump(mode="json"), version)
+
+    @app.delete("/admin/policies/{domain}")
+    async def delete_policy(domain: str, actor: str = Depends(admin)):
+        if not store.delete_policy(checked_domain(domain), actor):
+            raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
+        service.policies.refresh()
+        return {"domain": domain, "deleted": True}
+
+    @app.get("/admin/audit")
+    async def audit(domain: str | None = None, limit: int = 100, _: str = Depends(admin)):
+        return {"data": store.audit_log(domain, max(1, min(limit, 1000)))}
+
+    return app

@@ -1,0 +1,67 @@
+"""Answer-level confidence from the engine's calibrated log-probs (pure functions).
+
+Multiple choice: the engine returns the calibrated log-prob of every option's answer token at the first position;
+confidence is the chosen option's probability after renormalising over the options (softmax of d ⊙ z + l restricted
+to the option tokens). Entropy is that distribution's Shannon entropy (nats).
+
+Free form: confidence is the geometric mean of the generated tokens' calibrated probabilities,
+exp(mean_t log p(y_t | y_<t, x)) — length-normalised so long answers are not penalised for their length alone.
+Entropy is the mean over positions of the entropy of the renormalised top-k calibrated distribution (a lower bound
+on the full-vocabulary entropy when k < V).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class OptionDistribution:
+    probs: np.ndarray  # over options, sums to 1
+    chosen: int
+
+    @property
+    def confidence(self) -> float:
+        return float(self.probs[self.chosen])
+
+    @property
+    def entropy(self) -> float:
+        p = self.probs[self.probs > 0]
+        return float(-(p * np.log(p)).sum())
+
+
+def option_distribution(logprobs: dict[int, float], option_token_ids: Sequence[int], chosen_token: int | None = None) -> OptionDistribution:
+    """Renormalise the options' log-probs; the chosen option is the sampled one, else the most probable."""
+    lp = np.array([logprobs.get(t, -math.inf) for t in option_token_ids], dtype=np.float64)
+    if not np.isfinite(lp).any():
+        raise ValueError("the engine returned no finite log-prob for any option token")
+    lp = lp - lp.max()
+    probs = np.exp(lp) / np.exp(lp).sum()
+    ids = list(option_token_ids)
+    chosen = ids.index(chosen_token) if chosen_token in ids else int(np.argmax(probs))
+    return OptionDistribution(probs, chosen)
+
+
+def sequence_confidence(token_logprobs: Sequence[float]) -> float:
+    """exp of the mean calibrated token log-prob; 0 answers tokens-free output with confidence 1 (nothing claimed)."""
+    finite = [lp for lp in token_logprobs if math.isfinite(lp)]
+    if not finite:
+        return 1.0 if not token_logprobs else 0.0
+    return float(math.exp(sum(finite) / len(finite)))
+
+
+def topk_entropy(top_logprobs: Sequence[dict[int, float]]) -> float:
+    """Mean over positions of the entropy of each position's renormalised top-k distribution (nats)."""
+    values = []
+    for position in top_logprobs:
+        lp = np.array([v for v in position.values() if math.isfinite(v)], dtype=np.float64)
+        if lp.size == 0:
+            continue
+        p = np.exp(lp - lp.max())
+        p /= p.sum()
+        values.append(float(-(p * np.log(p)).sum()))
+    return float(np.mean(values)) if values else 0.0

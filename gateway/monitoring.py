@@ -1,0 +1,95 @@
+"""Prometheus metrics per domain on an injected registry, and the per-domain drift and feedback state behind them.
+
+Domain labels are bounded: known domains (the artifact's reference domains plus configured ones) and `other`.
+No prompt text ever reaches a label or a log line.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from calm_core.artifact import ReferenceHistogram
+from gateway.drift import ConfidenceWindow
+from gateway.online_calibration import online_accuracy_and_ece
+
+OTHER = "other"
+_CONF_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+        self.requests = Counter("calm_requests_total", "Requests by endpoint, domain and status", ["endpoint", "domain", "status"], registry=registry)
+        self.errors = Counter("calm_errors_total", "Failed requests by endpoint, domain and error type", ["endpoint", "domain", "type"], registry=registry)
+        self.latency = Histogram("calm_request_latency_seconds", "End-to-end latency", ["endpoint", "domain"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.confidence = Histogram("calm_confidence", "Calibrated confidence of answers", ["domain"], buckets=_CONF_BUCKETS, registry=registry)
+        self.entropy = Histogram("calm_predictive_entropy_nats", "Predictive entropy of answers", ["domain"], buckets=_ENTROPY_BUCKETS, registry=registry)
+        self.abstentions = Counter("calm_abstentions_total", "Answers withheld by an abstain policy", ["domain"], registry=registry)
+        self.answers = Counter("calm_answers_total", "Answers produced (abstained or not)", ["domain"], registry=registry)
+        self.below_threshold = Counter("calm_below_threshold_total", "Answers below their policy threshold (abstained or annotated)", ["domain"], registry=registry)
+        self.drift_psi = Gauge("calm_drift_psi", "PSI of the live confidence window against the artifact reference", ["domain"], registry=registry)
+        self.drift_ks = Gauge("calm_drift_ks", "KS statistic of the live confidence window against the reference", ["domain"], registry=registry)
+        self.window = Gauge("calm_drift_window_size", "Answers in the live confidence window", ["domain"], registry=registry)
+        self.est_accuracy = Gauge("calm_estimated_accuracy", "Mean calibrated confidence over the live window (label-free accuracy estimate)", ["domain"], registry=registry)
+        self.feedback = Counter("calm_feedback_total", "Feedback received", ["domain", "correct"], registry=registry)
+        self.online_accuracy = Gauge("calm_online_accuracy", "Accuracy from feedback (recent window)", ["domain"], registry=registry)
+        self.online_ece = Gauge("calm_online_ece", "10-bin ECE from feedback (recent window)", ["domain"], registry=registry)
+        self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
+
+
+class DomainMonitor:
+    """Maps request domains to bounded labels and keeps each domain's live confidence window."""
+
+    def __init__(self, metrics: Metrics, references: dict[str, ReferenceHistogram], extra_domains: list[str], window: int):
+        self.metrics = metrics
+        self.references = references
+        self.known = set(references) | set(extra_domains) | {OTHER}
+        fallback = references.get("all") or (next(iter(references.values())) if references else None)
+        self._windows: dict[str, ConfidenceWindow] = {}
+        self._lock = threading.Lock()
+        for domain in sorted(self.known):
+            ref = references.get(domain, fallback)
+            if ref is not None:
+                self._windows[domain] = ConfidenceWindow(ref.bin_edges, ref.counts, window)
+
+    def label(self, domain: str | None) -> str:
+        if not domain:
+            return OTHER
+        domain = domain.strip().lower()
+        return domain if domain in self.known else OTHER
+
+    def reference(self, domain: str) -> tuple[list[float], list[int]] | None:
+        ref = self.references.get(domain) or self.references.get("all")
+        return (ref.bin_edges, ref.counts) if ref else None
+
+    def observe_answer(self, domain: str, confidence: float, entropy: float, below: bool, abstained: bool) -> None:
+        m = self.metrics
+        m.answers.labels(domain).inc()
+        m.confidence.labels(domain).observe(confidence)
+        m.entropy.labels(domain).observe(entropy)
+        if below:
+            m.below_threshold.labels(domain).inc()
+        if abstained:
+            m.abstentions.labels(domain).inc()
+        window = self._windows.get(domain)
+        if window is not None:
+            with self._lock:
+                reading = window.add(confidence)
+            m.drift_psi.labels(domain).set(reading.psi)
+            m.drift_ks.labels(domain).set(reading.ks)
+            m.window.labels(domain).set(reading.window)
+            m.est_accuracy.labels(domain).set(reading.mean_confidence)
+
+    def observe_feedback(self, domain: str, correct: bool, confidences: list[float], outcomes: list[bool]) -> None:
+        m = self.metrics
+        m.feedback.labels(domain, str(bool(correct)).lower()).inc()
+        acc, ece = online_accuracy_and_ece(confidences, outcomes)
+        if not math.isnan(acc):
+            m.online_accuracy.labels(domain).set(acc)
+            m.online_ece.labels(domain).set(ece)
+        m.feedback_count.labels(domain).set(len(confidences))

@@ -1,0 +1,49 @@
+"""Gateway settings from the environment (prefix CALM_), refusing unsafe defaults outside development."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEV_ADMIN_KEY = "dev-admin-key"
+
+
+class EngineKind(str, Enum):
+    INPROCESS = "inprocess"
+    UPSTREAM = "upstream"
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CALM_", env_nested_delimiter="__")
+
+    environment: str = "development"  # "production" refuses the development admin key
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None  # None = embedded default; or a local HF folder / hub id
+    served_model_name: str = "calm-smollm2-135m"
+    artifact: str | None = None  # None = the default artifact for the embedded model
+    engine: EngineKind = EngineKind.INPROCESS
+    upstream_urls: list[str] = []
+    upstream_timeout_s: float = 30.0
+    upstream_connect_timeout_s: float = 2.0
+    max_model_len: int = 2048
+    kv_cache_mb: int = 512
+    dtype: str = "float32"
+    admin_key: str = DEV_ADMIN_KEY
+    db_path: Path = Field(default_factory=lambda: Path(".calm/gateway.sqlite3"))
+    domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
+    drift_window: int = 200
+    feedback_window: int = 500
+    max_tokens_limit: int = 1024
+    default_top_logprobs: int = 5
+
+    @model_validator(mode="after")
+    def _safe(self):
+        if self.environment != "development" and self.admin_key == DEV_ADMIN_KEY:
+            raise ValueError("set CALM_ADMIN_KEY: the development admin key is refused outside development")
+        if self.engine is EngineKind.UPSTREAM and not self.upstream_urls:
+            raise ValueError('CALM_UPSTREAM_URLS must list at least one vLLM server for engine "upstream"')
+        return self

@@ -1,0 +1,124 @@
+"""Unit tests of the gateway's pure logic: confidence, drift, policies, option detection, the SQLite store."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from calm_core.prompts import detect_option_letters
+from gateway.confidence import option_distribution, sequence_confidence, topk_entropy
+from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
+from gateway.policies import Action, Policy, resolve, threshold_for_risk
+from gateway.store import Store, VersionConflict
+
+
+def test_option_distribution_renormalises_over_options():
+    dist = option_distribution({10: math.log(0.2), 11: math.log(0.6), 12: math.log(0.1), 99: math.log(0.1)}, [10, 11, 12])
+    np.testing.assert_allclose(dist.probs, [0.2 / 0.9, 0.6 / 0.9, 0.1 / 0.9])
+    assert dist.chosen == 1 and dist.confidence == pytest.approx(0.6 / 0.9)
+    assert dist.entropy == pytest.approx(-sum(p * math.log(p) for p in dist.probs))
+    # The sampled option is the answer even when it is not the most probable one.
+    assert option_distribution({10: -1.0, 11: -0.5}, [10, 11], chosen_token=10).chosen == 0
+    with pytest.raises(ValueError, match="no finite log-prob"):
+        option_distribution({}, [1, 2])
+
+
+def test_sequence_confidence_is_geometric_mean():
+    assert sequence_confidence([math.log(0.5), math.log(0.125)]) == pytest.approx(0.25)
+    assert sequence_confidence([]) == 1.0
+
+
+def test_topk_entropy():
+    assert topk_entropy([{1: math.log(0.5), 2: math.log(0.5)}]) == pytest.approx(math.log(2))
+    assert topk_entropy([{1: 0.0}, {1: math.log(0.25), 2: math.log(0.25)}]) == pytest.approx(math.log(2) / 2)
+
+
+def test_psi_and_ks():
+    ref = np.array([0.25, 0.25, 0.25, 0.25])
+    assert psi(ref, ref) == pytest.approx(0.0)
+    assert ks(ref, ref) == pytest.approx(0.0)
+    live = np.array([0.7, 0.1, 0.1, 0.1])
+    expected = sum((l - r) * math.log(l / r) for l, r in zip(live, ref))
+    assert psi(live, ref) == pytest.approx(expected)
+    assert ks(live, ref) == pytest.approx(0.45)
+
+
+def test_confidence_window_detects_shift_and_forgets():
+    edges = np.linspace(0, 1, 11)
+    rng = np.random.default_rng(0)
+    ref_counts, _ = np.histogram(rng.uniform(0.4, 0.8, 2000), bins=edges)
+    window = ConfidenceWindow(edges, ref_counts, size=100)
+    for c in rng.uniform(0.4, 0.8, 100):
+        reading = window.add(c)
+    assert reading.psi < 0.1 and reading.ks < 0.15 and reading.window == 100
+    for c in rng.uniform(0.9, 1.0, 100):
+        reading = window.add(c)
+    assert reading.psi > 1.0 and reading.ks > 0.9
+    np.testing.assert_allclose(histogram_share([0.0, 1.0], edges).sum(), 1.0)
+
+
+def test_threshold_for_risk():
+    edges = [0.0, 0.25, 0.5, 0.75, 1.0]
+    # centres .125 .375 .625 .875; equal counts. Risk from edge 0: 1-.5=.5; from .25: 1-.625=.375; .5: .25; .75: .125
+    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.3) == 0.5
+    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.5) == 0.0
+    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.01) == 1.0
+
+
+def test_policy_rules():
+    with pytest.raises(ValueError, match="exactly one"):
+        Policy()
+    with pytest.raises(ValueError, match="exactly one"):
+        Policy(threshold=0.5, target_risk=0.1)
+    strict = Policy(threshold=0.6, action="abstain")
+    assert resolve(strict, "x:v1", None, None).threshold == 0.6
+    assert resolve(strict, "x:v1", None, 0.8).threshold == 0.8  # stricter request wins
+    assert resolve(strict, "x:v1", None, 0.3).threshold == 0.6  # looser request is ignored
+    assert resolve(None, "builtin", None, None).action is Action.ANNOTATE
+    risk = Policy(target_risk=0.3)
+    assert resolve(risk, "r", ([0.0, 0.25, 0.5, 0.75, 1.0], [1, 1, 1, 1]), None).threshold == 0.5
+    assert resolve(risk, "r", None, None).threshold == 1.0  # no reference: never claim the target is met
+
+
+@pytest.mark.parametrize(
+    "text, letters",
+    [
+        ("Q?\nA. one\nB. two\nC. three", ("A", "B", "C")),
+        ("Q?\n(A) one\n(B) two", ("A", "B")),
+        ("Q?\nA) one\nB) two\nD) four", ("A", "B")),
+        ("What is the capital of France?", None),
+        ("A. only one option", None),
+        ("B. one\nC. two", None),
+    ],
+)
+def test_detect_option_letters(text, letters):
+    assert detect_option_letters(text) == letters
+
+
+def test_store_policies_are_versioned_audited_and_durable(tmp_path):
+    db = tmp_path / "g.sqlite3"
+    store = Store(db)
+    assert store.put_policy("medicine", {"threshold": 0.5}, "admin") == 1
+    assert store.put_policy("medicine", {"threshold": 0.7}, "admin", expected_version=1) == 2
+    with pytest.raises(VersionConflict):
+        store.put_policy("medicine", {"threshold": 0.9}, "admin", expected_version=1)
+    assert store.delete_policy("medicine", "admin")
+    assert not store.delete_policy("medicine", "admin")
+    store.put_policy("default", {"threshold": 0.1}, "admin")
+    store.close()
+    reopened = Store(db)
+    assert reopened.get_policy("default") == ({"threshold": 0.1}, 1)
+    log = reopened.audit_log("medicine")
+    assert [e["action"] for e in log] == ["delete", "update", "create"]
+    assert log[1]["before"] == {"threshold": 0.5} and log[1]["after"] == {"threshold": 0.7}
+
+
+def test_store_feedback_is_idempotent(tmp_path):
+    store = Store(tmp_path / "g.sqlite3")
+    store.record_response("r1", "science", 0.8)
+    assert store.add_feedback("r1", True) is True
+    assert store.add_feedback("r1", True) is False
+    assert store.add_feedback("r1", False) is None
+    assert store.recent_feedback("science") == ([0.8], [True])

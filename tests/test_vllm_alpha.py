@@ -1,0 +1,72 @@
+"""The α-head logits processor with vLLM's own batch-update types: requests added, removed, moved and swapped,
+with and without opt-out, every row checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from adapters.vllm_alpha import AlphaHeadLogitsProcessor
+from calm_core.alpha_head import AlphaHead
+from calm_core.artifact import BaseModelRef, TokenizerRef, save_artifact
+
+V = 16
+
+
+@pytest.fixture
+def processor(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    head = AlphaHead(np.exp(rng.normal(size=V) * 0.5), rng.normal(size=V))
+    save_artifact(tmp_path / "a", head, base_model=BaseModelRef(id="t", weights_sha256="w"),
+                  tokenizer=TokenizerRef(sha256="t", vocab_size=V), method="test")
+    monkeypatch.setenv("CALM_ARTIFACT", str(tmp_path / "a"))
+    return AlphaHeadLogitsProcessor(None, torch.device("cpu"), False), head
+
+
+def params(calibrated=True):
+    return SamplingParams(extra_args=None if calibrated else {"calm_alpha": False})
+
+
+def check(proc, head, calibrated_rows):
+    logits = torch.randn(len(calibrated_rows), V)
+    out = proc.apply(logits.clone())
+    for row, calibrated in enumerate(calibrated_rows):
+        want = logits[row] * torch.tensor(head.scale) + torch.tensor(head.shift) if calibrated else logits[row]
+        torch.testing.assert_close(out[row], want)
+
+
+def test_batch_updates_track_opt_outs(processor):
+    proc, head = processor
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[],
+                                  added=[(0, params(), None, []), (1, params(False), None, []), (2, params(), None, [])]))
+    check(proc, head, [True, False, True])
+    proc.update_state(None)  # no change in batch make-up
+    check(proc, head, [True, False, True])
+    # Swap rows 1 and 2: the opted-out request now sits in row 2.
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(1, 2, MoveDirectionality.SWAP)]))
+    check(proc, head, [True, True, False])
+    # Request in row 0 finishes; the one in row 2 moves into its place (one-way).
+    proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    check(proc, head, [False, True])
+    # A new calibrated request takes row 0, replacing the opted-out one.
+    proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[(0, params(), None, [])], moved=[]))
+    check(proc, head, [True, True])
+
+
+def test_http_style_opt_out_values_and_validation(processor):
+    from adapters.vllm_alpha import wants_alpha
+
+    assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": 0}))
+    assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": "false"}))
+    assert wants_alpha(SamplingParams(extra_args={"other": 1}))
+    with pytest.raises(ValueError, match="must be a boolean"):
+        AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_alpha": "maybe"}))
+
+
+def test_missing_or_mismatched_artifact_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("CALM_ARTIFACT", raising=False)
+    with pytest.raises(ValueError, match="needs \\$CALM_ARTIFACT"):
+        AlphaHeadLogitsProcessor(None, torch.device("cpu"), False)
