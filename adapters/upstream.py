@@ -34,6 +34,7 @@ def _payload(model: str, r: EngineRequest) -> dict:
     if r.option_token_ids:
         body["allowed_token_ids"] = list(r.option_token_ids)
         body["logprob_token_ids"] = list(r.option_token_ids)
+        body["logprobs"] = 0  # vLLM's HTTP layer insists on it with logprob_token_ids, then ignores it
     else:
         body["logprobs"] = r.top_logprobs
     if not r.calibrated:

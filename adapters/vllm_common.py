@@ -44,8 +44,9 @@ class EngineConfig:
             seed=self.seed,
         )
 
-    def server_args(self, host: str, port: int) -> list[str]:
-        return [
+    def server_args(self, host: str, port: int, alpha: bool = True) -> list[str]:
+        """vLLM server flags; alpha=False leaves the logits processor out (benchmarks compare the two)."""
+        args = [
             "--model", self.model_path,
             "--served-model-name", self.served_model_name,
             "--dtype", self.dtype,
@@ -53,9 +54,9 @@ class EngineConfig:
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--max-logprobs", str(self.max_logprobs),
             "--logprobs-mode", "processed_logprobs",
-            "--logits-processors", LOGITS_PROCESSOR,
             "--enforce-eager",
             "--seed", str(self.seed),
             "--host", host,
             "--port", str(port),
         ]
+        return args + (["--logits-processors", LOGITS_PROCESSOR] if alpha else [])

@@ -70,9 +70,9 @@ def create_app(
 
     async def observed(endpoint: str, call, req, domain_header):
         start = time.perf_counter()
-        domain = service.monitor.label(domain_header)
+        domain = service.domain_of(req, domain_header)
         try:
-            domain, result = await call(req, domain_header)
+            result = await call(req, domain)
         except APIError as e:
             metrics.errors.labels(endpoint, domain, e.type).inc()
             metrics.requests.labels(endpoint, domain, str(e.status)).inc()

@@ -24,6 +24,7 @@ class CalmOptions(BaseModel):
 
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
     domain: StrictStr | None = None
+    raw_confidence: StrictBool | None = None  # multiple choice: also score with the raw model (one more engine row)
 
 
 class TextPart(BaseModel):

@@ -97,9 +97,14 @@ class CalibratedService:
                              top_logprobs=max(top_logprobs, self.settings.default_top_logprobs))
 
     # -- confidence and policy -----------------------------------------------------------------------------------
-    async def run(self, request: EngineRequest) -> tuple[EngineOutput, EngineOutput | None]:
+    def wants_raw(self, req: SamplingFields) -> bool:
+        if req.calm is not None and req.calm.raw_confidence is not None:
+            return req.calm.raw_confidence
+        return self.settings.raw_confidence
+
+    async def run(self, request: EngineRequest, with_raw: bool) -> tuple[EngineOutput, EngineOutput | None]:
         """The calibrated output and, for multiple choice, the same request through the raw model (opted out)."""
-        if not request.option_token_ids:
+        if not (request.option_token_ids and with_raw):
             return await generate(self.engine, request), None
         raw_request = replace(request, request_id=request.request_id + "-raw", calibrated=False)
         return tuple(await asyncio.gather(generate(self.engine, request), generate(self.engine, raw_request)))
@@ -137,36 +142,29 @@ class CalibratedService:
                       len(out.token_ids), out.token_logprobs)
 
     # -- endpoints -----------------------------------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, domain_header: str | None):
+    async def chat(self, req: ChatCompletionRequest, domain: str):
         self.check_model(req.model)
-        domain = self.domain_of(req, domain_header)
         prompt = prepare_chat(self.tokenizer, req)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        top = req.top_logprobs or 0
-        request = self.engine_request(req, prompt, max_tokens, top)
-        policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
-        response_id = f"chatcmpl-{request.request_id}"
-        if req.stream:
-            return domain, self._stream(response_id, "chat.completion.chunk", req.model, prompt, request, domain, policy)
-        answer = await self._complete(prompt, request, domain, policy, response_id)
-        return domain, ChatCompletionResponse(
+        served = await self._serve(req, domain, prompt, max_tokens, req.top_logprobs or 0, "chatcmpl", "chat.completion.chunk")
+        if not isinstance(served, tuple):
+            return served
+        response_id, answer = served
+        return ChatCompletionResponse(
             id=response_id, model=req.model,
             choices=[ChatChoice(message=ChatMessageOut(content=answer.text), finish_reason=answer.finish_reason,
                                 logprobs=_logprobs(answer) if req.logprobs else None, calibration=answer.calibration)],
             usage=_usage(answer),
         )
 
-    async def completion(self, req: CompletionRequest, domain_header: str | None):
+    async def completion(self, req: CompletionRequest, domain: str):
         self.check_model(req.model)
-        domain = self.domain_of(req, domain_header)
         prompt = prepare_completion(req)
-        request = self.engine_request(req, prompt, req.max_tokens, req.logprobs or 0)
-        policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
-        response_id = f"cmpl-{request.request_id}"
-        if req.stream:
-            return domain, self._stream(response_id, "text_completion", req.model, prompt, request, domain, policy)
-        answer = await self._complete(prompt, request, domain, policy, response_id)
-        return domain, CompletionResponse(
+        served = await self._serve(req, domain, prompt, req.max_tokens, req.logprobs or 0, "cmpl", "text_completion")
+        if not isinstance(served, tuple):
+            return served
+        response_id, answer = served
+        return CompletionResponse(
             id=response_id, model=req.model,
             choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason,
                                       logprobs=_logprobs(answer) if req.logprobs is not None else None,
@@ -174,13 +172,23 @@ class CalibratedService:
             usage=_usage(answer),
         )
 
-    async def _complete(self, prompt, request, domain, policy, response_id) -> Answer:
-        out, raw = await self.run(request)
+    async def _serve(self, req: SamplingFields, domain: str, prompt: PreparedPrompt, max_tokens: int, top: int,
+                     id_prefix: str, chunk_kind: str):
+        """(response id, Answer), or the SSE stream when the request streams."""
+        request = self.engine_request(req, prompt, max_tokens, top)
+        policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
+        response_id = f"{id_prefix}-{request.request_id}"
+        if req.stream:
+            return self._stream(response_id, chunk_kind, req.model, prompt, request, domain, policy, self.wants_raw(req))
+        return response_id, await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req))
+
+    async def _complete(self, prompt, request, domain, policy, response_id, with_raw) -> Answer:
+        out, raw = await self.run(request, with_raw)
         answer = self.answer(prompt, out, raw, domain, policy)
         self.store.record_response(response_id, domain, answer.calibration.confidence)
         return answer
 
-    async def _stream(self, response_id, kind, model, prompt, request, domain, policy) -> AsyncIterator[str]:
+    async def _stream(self, response_id, kind, model, prompt, request, domain, policy, with_raw) -> AsyncIterator[str]:
         """SSE chunks in OpenAI's shape; the calibration object arrives with the final chunk.
 
         Multiple choice and abstain policies need the whole answer before any text may be shown, so those are
@@ -204,7 +212,7 @@ class CalibratedService:
             if chat:
                 yield chunk(None, first=True)
             if prompt.multiple_choice or policy.action is Action.ABSTAIN:
-                answer = await self._complete(prompt, request, domain, policy, response_id)
+                answer = await self._complete(prompt, request, domain, policy, response_id, with_raw)
                 yield chunk(answer.text)
                 yield chunk(None, answer.finish_reason, answer.calibration)
             else:

@@ -39,6 +39,7 @@ class GatewaySettings(BaseSettings):
     feedback_window: int = 500
     max_tokens_limit: int = 1024
     default_top_logprobs: int = 5
+    raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
 
     @model_validator(mode="after")
     def _safe(self):

@@ -1,0 +1,238 @@
+"""The gateway as users meet it: the official `openai` client against `calm serve` running the real vLLM engine
+(in-process) on the embedded model, with a non-trivial α head whose effect is checked against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from calm_core.alpha_head import AlphaHead, apply_alpha, option_probs
+from calm_core.artifact import load_artifact, save_artifact
+from calm_core.data import load_mc
+from calm_core.prompts import letter_prompt, letter_token_ids
+from tests.servers import calm_argv, free_port, running
+
+pytestmark = pytest.mark.slow
+MODEL = "calm-smollm2-135m"
+ADMIN = {"Authorization": "Bearer test-admin-key"}
+LETTER_SCALE = [1.6, 0.6, 1.3, 0.8, 1.0]
+LETTER_SHIFT = [0.4, -0.3, 0.6, 0.0, 0.2]
+
+
+@pytest.fixture(scope="module")
+def test_artifact(tmp_path_factory, embedded_model):
+    """The shipped artifact's references with a head that rescales and shifts the answer letters A-E."""
+    from calm_cli.serving import DEFAULT_ARTIFACTS
+
+    base = load_artifact(next(iter(DEFAULT_ARTIFACTS.values())))
+    _, tokenizer = embedded_model
+    scale, shift = base.head.scale.copy(), base.head.shift.copy()
+    ids = letter_token_ids(tokenizer)[:5]
+    scale[ids], shift[ids] = LETTER_SCALE, LETTER_SHIFT
+    path = tmp_path_factory.mktemp("artifact") / "test-head"
+    m = base.manifest
+    save_artifact(path, AlphaHead(scale, shift), base_model=m.base_model, tokenizer=m.tokenizer, method="test",
+                  reference_histograms=m.reference_histograms)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, test_artifact, embedded_model_dir):
+    tmp = tmp_path_factory.mktemp("gateway")
+    port = free_port()
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_ADMIN_KEY": "test-admin-key", "CALM_ENVIRONMENT": "test"}
+    argv = calm_argv("serve", "--port", str(port), "--artifact", str(test_artifact))
+    with running(argv, f"http://127.0.0.1:{port}/health", tmp / "gateway.log", env):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def calibration(choice) -> dict:
+    return choice.model_extra["calibration"]
+
+
+def test_models_and_health(client, gateway):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{gateway}/health").json()
+    assert health["status"] == "ok" and health["artifact_version"].startswith("test-")
+
+
+def test_multiple_choice_confidence_equals_alpha_head_on_hf_logits(client, embedded_model, shared_data):
+    """Gateway confidence = softmax over the options of d ⊙ z + l, z from HF transformers (fp32, 1e-3)."""
+    import torch
+
+    from training.scoring import last_position_logits
+
+    model, tokenizer = embedded_model
+    questions = [q for q in load_mc("arc_easy", "dev", root=shared_data) if q.n_options == 4][:6]
+    ids = np.asarray(letter_token_ids(tokenizer)[:4])
+    changed = 0
+    for q in questions:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q.question}],
+                                           extra_body={"options": list(q.choices)}, metadata={"domain": "science"})
+        cal = calibration(r.choices[0])
+        with torch.inference_mode():
+            z = last_position_logits(model, tokenizer, [letter_prompt(tokenizer, q)])[0, ids].double().numpy()
+        calibrated = option_probs(apply_alpha(z, np.array(LETTER_SCALE[:4]), np.array(LETTER_SHIFT[:4]))[None])[0]
+        raw = option_probs(z[None])[0]
+        chosen = "ABCD".index(r.choices[0].message.content)
+        assert chosen == int(np.argmax(calibrated))  # greedy answer under the calibrated distribution
+        assert cal["mode"] == "multiple_choice" and cal["domain"] == "science"
+        assert cal["confidence"] == pytest.approx(calibrated[chosen], abs=1e-3)
+        assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
+        np.testing.assert_allclose([o["probability"] for o in cal["options"]], calibrated, atol=1e-3)
+        changed += abs(cal["confidence"] - cal["raw_confidence"]) > 0.01
+    assert changed >= 3  # the head really acts inside the engine
+
+
+def test_options_question_in_the_prompt_is_detected(client):
+    text = "Which gas do plants absorb?\nA. oxygen\nB. carbon dioxide\nC. helium\nAnswer with a letter."
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}])
+    cal = calibration(r.choices[0])
+    assert cal["mode"] == "multiple_choice" and r.choices[0].message.content in "ABC"
+    assert len(cal["options"]) == 3 and sum(o["probability"] for o in cal["options"]) == pytest.approx(1.0)
+    assert cal["domain"] == "other"
+
+
+def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=12, logprobs=True)
+    choice = r.choices[0]
+    lps = choice.logprobs.model_extra["token_logprobs"]
+    cal = calibration(choice)
+    assert cal["mode"] == "free_form" and choice.message.content
+    assert len(lps) == r.usage.completion_tokens > 0
+    assert cal["confidence"] == pytest.approx(math.exp(sum(lps) / len(lps)), rel=1e-6)
+    assert 0 < cal["confidence"] <= 1 and cal["entropy"] >= 0
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of Italy is", max_tokens=6, temperature=0)
+    assert r.choices[0].text and calibration(r.choices[0])["mode"] == "free_form"
+    mc = client.completions.create(model=MODEL, prompt="Which is a mammal?", max_tokens=1,
+                                   extra_body={"options": ["shark", "whale", "trout"]})
+    assert mc.choices[0].text in "ABC" and calibration(mc.choices[0])["mode"] == "multiple_choice"
+
+
+def test_streaming_matches_non_streaming_and_ends_with_calibration(client):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == full.choices[0].finish_reason
+    assert last.model_extra["calibration"]["confidence"] == pytest.approx(calibration(full.choices[0])["confidence"], abs=1e-6)
+    assert all("calibration" not in (c.choices[0].model_extra or {}) for c in chunks[:-1])
+    stream = list(client.completions.create(model=MODEL, prompt="One, two,", max_tokens=4, temperature=0, stream=True))
+    assert stream[-1].choices[0].model_extra["calibration"]["mode"] == "free_form"
+
+
+def test_abstention_policy_and_stricter_request(client, gateway):
+    q = {"messages": [{"role": "user", "content": "Which is largest?"}], "extra_body": {"options": ["ant", "dog", "whale"]}}
+    r = httpx.put(f"{gateway}/admin/policies/science", headers=ADMIN,
+                  json={"threshold": 1.0, "action": "abstain", "message": "Routing to a human."})
+    assert r.status_code == 200 and r.json()["version"] == 1
+    out = client.chat.completions.create(model=MODEL, metadata={"domain": "science"}, **q)
+    cal = calibration(out.choices[0])
+    assert cal["abstained"] and out.choices[0].message.content == "Routing to a human.", cal
+    assert cal["threshold"] == 1.0 and cal["policy"] == "science:v1"
+    # A looser threshold in the request does not loosen the policy.
+    extra = {**q["extra_body"], "calm": {"threshold": 0.1}}
+    loose = client.chat.completions.create(model=MODEL, metadata={"domain": "science"}, messages=q["messages"], extra_body=extra)
+    assert calibration(loose.choices[0])["threshold"] == 1.0 and calibration(loose.choices[0])["abstained"]
+    # Other domains fall back to the built-in annotate policy; a stricter request threshold annotates.
+    extra = {**q["extra_body"], "calm": {"threshold": 1.0}}
+    other = client.chat.completions.create(model=MODEL, messages=q["messages"], extra_body=extra)
+    cal = calibration(other.choices[0])
+    assert cal["threshold"] == 1.0 and cal["confidence"] < 1.0 and not cal["abstained"] and other.choices[0].message.content in "ABC"
+    # Streaming with an abstain policy never shows the withheld answer.
+    chunks = list(client.chat.completions.create(model=MODEL, metadata={"domain": "science"}, stream=True, **q))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Routing to a human."
+    assert httpx.delete(f"{gateway}/admin/policies/science", headers=ADMIN).status_code == 200
+    audit = httpx.get(f"{gateway}/admin/audit", params={"domain": "science"}, headers=ADMIN).json()["data"]
+    assert [a["action"] for a in audit][:2] == ["delete", "create"]
+
+
+def test_target_risk_policy_derives_threshold_from_reference(gateway):
+    r = httpx.put(f"{gateway}/admin/policies/medicine", headers=ADMIN, json={"target_risk": 0.4})
+    assert r.status_code == 200
+    assert 0.0 < r.json()["effective_threshold"] <= 1.0
+    httpx.delete(f"{gateway}/admin/policies/medicine", headers=ADMIN)
+
+
+def test_feedback_is_idempotent_and_feeds_online_metrics(client, gateway):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Which is a fruit?"}],
+                                       extra_body={"options": ["apple", "stone"]}, metadata={"domain": "commonsense"})
+    first = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
+    again = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
+    assert first.status_code == again.status_code == 200
+    assert first.json()["recorded"] and not again.json()["recorded"]
+    conflict = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": False})
+    assert conflict.status_code == 409 and conflict.json()["error"]["type"] == "conflict_error"
+    metrics = httpx.get(f"{gateway}/metrics").text
+    assert 'calm_online_accuracy{domain="commonsense"} 1.0' in metrics
+    assert 'calm_feedback_total{correct="true",domain="commonsense"} 1.0' in metrics
+    assert 'calm_confidence_bucket{domain="commonsense"' in metrics
+    assert 'calm_drift_psi{domain="commonsense"}' in metrics
+    assert "Which is a fruit" not in metrics  # no prompt text in labels
+
+
+def error_of(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ('{"model": "calm-smollm2-135m", "messages": [', 400, "not valid JSON"),
+        ({"model": MODEL, "messages": "hello"}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+        ({"model": MODEL, "messages": []}, 400, "at least 1"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400, "non-empty user message"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "limit"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 4000}]}, 400, "maximum context length"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "options": ["only one"]}, 400, "options"),
+    ],
+)
+def test_bad_chat_requests(gateway, body, status, needle):
+    content = body if isinstance(body, str) else json.dumps(body)
+    resp = httpx.post(f"{gateway}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert needle in error_of(resp, status)["message"]
+
+
+def test_bad_input_through_the_official_client(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="", max_tokens=4)
+
+
+def test_bad_admin_and_feedback_requests(gateway):
+    url = f"{gateway}/admin/policies/science"
+    assert error_of(httpx.put(url, json={"threshold": 0.5}), 401)["type"] == "authentication_error"
+    assert error_of(httpx.put(url, json={"threshold": 0.5}, headers={"Authorization": "Bearer nope"}), 403)
+    assert "threshold" in error_of(httpx.put(url, json={"threshold": 2}, headers=ADMIN), 400)["message"]
+    assert "exactly one" in error_of(httpx.put(url, json={"action": "abstain"}, headers=ADMIN), 400)["message"]
+    assert error_of(httpx.put(url, json={"threshold": 0.5, "action": "shout"}, headers=ADMIN), 400)
+    assert error_of(httpx.put(f"{gateway}/admin/policies/Bad%20Name", json={"threshold": 0.5}, headers=ADMIN), 400)
+    assert error_of(httpx.get(f"{gateway}/admin/policies/none", headers=ADMIN), 404)
+    fb = f"{gateway}/v1/feedback"
+    assert "no response" in error_of(httpx.post(fb, json={"response_id": "chatcmpl-unknown", "correct": True}), 404)["message"]
+    assert error_of(httpx.post(fb, json={"response_id": "x", "correct": "yes"}), 400)
+    assert error_of(httpx.post(fb, json={"correct": True}), 400)

@@ -1,0 +1,76 @@
+"""The upstream adapter: a gateway in front of a separate vLLM OpenAI server started by `calm engine`, and a dead
+upstream answering 503 quickly."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.servers import calm_argv, free_port, running
+
+pytestmark = pytest.mark.slow
+MODEL = "calm-smollm2-135m"
+QUESTION = {"messages": [{"role": "user", "content": "Which planet is largest?"}],
+            "options": ["Mars", "Jupiter", "Venus", "Mercury"], "metadata": {"domain": "science"}}
+
+
+def chat(base: str, **body) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    port = free_port()
+    env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}"]', "CALM_DB_PATH": str(tmp_path / "g.db")}
+    # /v1/models needs no engine, so it tells when the gateway is up even though /health must fail.
+    with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/v1/models", tmp_path / "gw.log", env):
+        base = f"http://127.0.0.1:{port}"
+        for body in (QUESTION, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}):
+            start = time.monotonic()
+            r = chat(base, **body)
+            assert time.monotonic() - start < 5
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        stream = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
+                                                                  "messages": [{"role": "user", "content": "hi"}]})
+        assert '"service_unavailable_error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
+        assert httpx.get(f"{base}/health").status_code == 503
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'calm_requests_total{domain="science",endpoint="chat",status="503"} 1.0' in metrics
+
+
+def test_gateway_over_calm_engine_matches_hf(tmp_path, embedded_model):
+    """`calm engine` serves vLLM with the α head; through it the gateway gives the numbers HF gives (fp32, 1e-3)."""
+    import numpy as np
+    import torch
+
+    from calm_core.alpha_head import option_probs
+    from calm_core.prompts import letter_token_ids, letter_user_message, render_chat
+    from training.scoring import last_position_logits
+
+    model, tokenizer = embedded_model
+    prompt = render_chat(tokenizer, [{"role": "user", "content": letter_user_message(
+        QUESTION["messages"][0]["content"], QUESTION["options"])}])
+    with torch.inference_mode():
+        z = last_position_logits(model, tokenizer, [prompt])[0, letter_token_ids(tokenizer)[:4]].double().numpy()
+    expected = option_probs(z[None])[0]
+    engine_port, gw_port = free_port(), free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{engine_url}"]', "CALM_DB_PATH": str(tmp_path / "g.db"),
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log", timeout=300), \
+         running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
+        base = f"http://127.0.0.1:{gw_port}"
+        r = chat(base, **QUESTION)
+        assert r.status_code == 200, r.text
+        cal = r.json()["choices"][0]["calibration"]
+        assert cal["mode"] == "multiple_choice" and cal["raw_confidence"] is not None
+        # Identity head (the shipped default): calibrated equals raw, and the option probabilities sum to one.
+        assert cal["confidence"] == pytest.approx(cal["raw_confidence"], abs=1e-5)
+        np.testing.assert_allclose([o["probability"] for o in cal["options"]], expected, atol=1e-3)
+        free = chat(base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
+        assert free.status_code == 200 and "Paris" in free.json()["choices"][0]["message"]["content"]
+        lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
+                           "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
+        assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
