@@ -128,6 +128,58 @@ def eval_cmd(
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png  ({len(summary['results'])} datasets)")
 
 
+@app.command("train")
+@one_line_errors
+def train_cmd(
+    config: Annotated[Path, typer.Option(help="training config (TOML)")],
+    method: Annotated[Optional[str], typer.Option(help="override the config's method")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="override the config's seed")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="override the config's steps")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="override the config's out_dir")] = None,
+    resume: Annotated[bool, typer.Option(help="continue from out_dir/checkpoint.pt if present")] = True,
+    merged: Annotated[bool, typer.Option(help="also write base+LoRA merged weights (out_dir/merged)")] = False,
+):
+    """Train CALM (or a baseline) with LoRA on the top layers; write the artifact to out_dir/artifact."""
+    import torch
+
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    cfg = load_config(config, method=method, seed=seed, steps=steps, out_dir=str(out) if out else None)
+    trainer = Trainer(cfg).setup()
+    if resume and trainer.resume():
+        typer.echo(f"resumed from step {trainer.step}")
+    trainer.train()
+    metrics = trainer.evaluate()
+    path = trainer.export(metrics, merged=merged)
+    for name, m in metrics.items():
+        typer.echo(f"{name:40s} acc {m['accuracy']:.3f}  ECE-10 {m['ece_10']:.3f}  AUROC {m['auroc']:.3f}")
+    typer.echo(f"artifact: {path}")
+
+
+@app.command("report")
+@one_line_errors
+def report_cmd(
+    config: Annotated[Path, typer.Option(help="base training config (TOML)")] = Path("configs/train/calm.toml"),
+    seeds: Annotated[list[int], typer.Option("--seed", help="repeatable")] = [0, 1, 2],
+    quick: Annotated[bool, typer.Option(help="one seed and a quarter of the steps")] = False,
+    out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/calm"),
+):
+    """Run every method (CALM, ablations, baselines) on the declared split; write report.json/.md and plots."""
+    import torch
+
+    from training.config import load_config
+    from training.report import run_report
+
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    base = load_config(config)
+    steps = max(base.steps // 4, 10) if quick else None
+    summary = run_report(base, seeds[:1] if quick else list(seeds), out, steps)
+    typer.echo((out / "report.md").read_text())
+    typer.echo(f"wrote {out}/report.json, report.md, reliability.png, curves.png ({len(summary['table'])} rows)")
+
+
 @app.command("serve")
 @one_line_errors
 def serve(

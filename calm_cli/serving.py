@@ -31,11 +31,13 @@ def load_checked(model: ResolvedModel, artifact_path: Path):
     return tokenizer, artifact
 
 
-def engine_config(settings, model: ResolvedModel, artifact_path: Path):
+def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None):
+    from adapters.merged_weights import merged_model_dir
     from adapters.vllm_common import EngineConfig
 
+    artifact = artifact if artifact is not None else load_artifact(artifact_path)
     return EngineConfig(
-        model_path=model.path, artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
+        model_path=str(merged_model_dir(model.path, artifact)), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
         dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2,
     )
 
@@ -51,7 +53,7 @@ def build_gateway(settings):
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 
-        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path))
+        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact))
     else:
         from adapters.upstream import UpstreamVLLMEngine
 
@@ -68,8 +70,8 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
 
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
-    load_checked(model, artifact_path)  # refuse a mismatched artifact before a 30-second engine start
-    cfg = engine_config(settings, model, artifact_path)
+    _, artifact = load_checked(model, artifact_path)  # refuse a mismatch before a 30-second engine start
+    cfg = engine_config(settings, model, artifact_path, artifact)
     env = {**os.environ, **cfg.env()}
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)

@@ -6,5 +6,14 @@ VENV=${VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CALM_HOME=${CALM_HOME:-$PWD/.calm}
 export HF_HUB_OFFLINE=1
+
+# The drift-alert test runs a real Prometheus server: Debian's package (server and promtool).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing Debian's prometheus package for the alerting tests"
+  $SUDO apt-get install -y -qq prometheus >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus >/dev/null; }
+fi
+
 "$VENV/bin/calm" model prepare
 exec "$VENV/bin/pytest" -q "$@"

@@ -1,0 +1,39 @@
+"""Serving an artifact's LoRA adapter: merged into the base weights once, as a plain HF folder that vLLM loads on
+CPU and GPU alike (vLLM's LoRA path is not available in every CPU build), cached by artifact version."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from calm_core.artifact import LoadedArtifact
+from calm_core.paths import calm_home
+
+
+def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
+    """The folder to serve: the base model itself when the artifact has no adapter, else base+adapter merged."""
+    if artifact.adapter_dir is None:
+        return Path(base_model_path)
+    target = (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
+        tmp.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,70 @@
+"""The CALM trainer on the real embedded model and real questions (smoke configuration, CI-sized)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from calm_core.artifact import load_artifact
+from calm_core.hashing import vocab_sha256
+from training.config import load_config
+from training.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+SMOKE = "configs/train/smoke.toml"
+
+
+def test_top_layers_path_equals_the_full_model(embedded_model, shared_data):
+    from calm_core.data import load_mc
+    from calm_core.prompts import letter_prompt, letter_token_ids
+    from training.scoring import last_position_logits
+    from training.top_layers import collate, encode_prefix, last_logits
+
+    model, tokenizer = embedded_model
+    prompts = [letter_prompt(tokenizer, q) for q in load_mc("arc_easy", "dev", root=shared_data)[:6]]
+    ids = torch.tensor(letter_token_ids(tokenizer)[:4])
+    full = last_position_logits(model, tokenizer, prompts)[:, ids]
+    with torch.no_grad():
+        top = last_logits(model, collate(encode_prefix(model, tokenizer, prompts, 26)), 26, ids)
+    torch.testing.assert_close(top, full, atol=1e-4, rtol=1e-4)
+
+
+def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, embedded_model_dir):
+    cfg = load_config(SMOKE, out_dir=str(tmp_path / "run"), steps=12)
+    trainer = Trainer(cfg, show_progress=False).setup()
+    alpha_before = trainer.alpha.full()[1].detach().clone()
+    trainer.train()
+    history = trainer.history
+    assert len(history) == 12 and all(np.isfinite(h["lambda"]) and h["lambda"] >= 0 for h in history)
+    assert any(h["lambda"] > 0 for h in history)  # the coupling term was active
+    # g decreases: mean of the last 4 steps below the first 4 (the same 32 questions cycle through).
+    assert np.mean([h["g"] for h in history[-4:]]) < np.mean([h["g"] for h in history[:4]])
+    moved = (trainer.alpha.full()[1].detach() - alpha_before).abs()[trainer.letter_ids]
+    assert float(moved.max()) > 1e-4  # α moved on the answer letters
+    metrics = trainer.evaluate()
+    path = trainer.export(metrics)
+    loaded = load_artifact(path, expect_vocab_size=49152,
+                           expect_tokenizer_sha256=vocab_sha256(trainer.tokenizer.get_vocab()))
+    assert loaded.manifest.method == "calm" and loaded.adapter_dir is not None
+    assert (loaded.adapter_dir / "adapter_config.json").is_file()
+    assert "in_domain/arc_easy" in loaded.manifest.metrics and "all" in loaded.manifest.reference_histograms
+    np.testing.assert_allclose(loaded.head.shift, trainer.alpha.full()[1].detach().numpy(), rtol=1e-6)
+    log = [json.loads(l) for l in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert {"g", "f", "q", "lambda", "entropy", "step"} <= set(log[0])
+
+
+def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, embedded_model_dir):
+    full = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "full"), steps=8), show_progress=False).setup()
+    full.train()
+    first = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "cut"), steps=4, checkpoint_every=4), show_progress=False).setup()
+    first.train()  # a kill after step 4 leaves exactly this checkpoint behind
+    second = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "cut"), steps=8, checkpoint_every=4), show_progress=False).setup()
+    assert second.resume() and second.step == 4
+    second.train()
+    assert [round(h["g"], 4) for h in second.history] == [round(h["g"], 4) for h in full.history]
+    for a, b in zip(full.theta, second.theta):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(full.alpha.full()[1], second.alpha.full()[1], atol=1e-5, rtol=1e-4)

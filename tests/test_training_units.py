@@ -1,0 +1,97 @@
+"""Training math without a model: the BOME step, the objectives, post-hoc fits, configs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from training.bome import bome_direction
+from training.config import TrainConfig, load_config
+from training.objectives import cft_gap, cross_entropy, entropy, mask_options
+from training.posthoc import fit_temperature, fit_vector_scaling
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.toml"))
+
+
+def test_bome_lambda_formula_and_descent_on_q():
+    gf = [torch.tensor([1.0, 0.0]), torch.tensor([0.5])]
+    gq = [torch.tensor([-1.0, 1.0]), torch.tensor([0.0])]
+    step = bome_direction(gf, gq, eta=0.5)
+    q_sq, inner = 2.0, -1.0
+    assert step.grad_q_sq == pytest.approx(q_sq) and step.inner == pytest.approx(inner)
+    assert step.lam == pytest.approx((0.5 * q_sq - inner) / q_sq)
+    # Along the direction q decreases at rate at least φ = η‖∇q‖².
+    rate = sum(float((d * g).sum()) for d, g in zip(step.direction, gq))
+    assert rate >= 0.5 * q_sq - 1e-9
+    # When ∇f already decreases q fast enough, λ is 0 and the step is ∇f alone.
+    easy = bome_direction([torch.tensor([-2.0, 2.0])], [torch.tensor([-1.0, 1.0])], eta=0.5)
+    assert easy.lam == 0.0 and torch.equal(easy.direction[0], torch.tensor([-2.0, 2.0]))
+    with pytest.raises(ValueError, match="same parameters"):
+        bome_direction(gf, gq[:1], eta=0.5)
+
+
+def test_bome_solves_a_toy_bilevel_problem():
+    """min_x f = (x - 3)² s.t. y ∈ argmin_y g = (y - x)²  ->  x = y = 3, found by the first-order step."""
+    x, y = torch.tensor([0.0], requires_grad=True), torch.tensor([0.0], requires_grad=True)
+    for _ in range(300):
+        f = ((y - 3) ** 2).sum()
+        g = ((y - x) ** 2).sum()
+        y_tilde = (y - 0.4 * torch.autograd.grad(g, y, retain_graph=True)[0]).detach()
+        q = g - ((y_tilde - x) ** 2).sum()
+        grad_f = torch.autograd.grad(f, [x, y], allow_unused=True)
+        grad_f = [torch.zeros(1) if t is None else t for t in grad_f]
+        step = bome_direction(grad_f, list(torch.autograd.grad(q, [x, y])), eta=0.5)
+        with torch.no_grad():
+            x -= 0.05 * step.direction[0]
+            y -= 0.05 * step.direction[1]
+    assert float(x) == pytest.approx(3.0, abs=0.05) and float(y) == pytest.approx(3.0, abs=0.05)
+
+
+def test_objectives():
+    logits = mask_options(torch.tensor([[2.0, 0.0, 1.0, 5.0]]), torch.tensor([3]))
+    labels = torch.tensor([0])
+    logp = torch.log_softmax(torch.tensor([2.0, 0.0, 1.0]), -1)
+    assert float(cross_entropy(logits, labels)) == pytest.approx(-float(logp[0]))
+    smoothed = 0.9 * -float(logp[0]) + 0.1 * -float(logp.mean())
+    assert float(cross_entropy(logits, labels, 0.1)) == pytest.approx(smoothed)
+    uniform = mask_options(torch.zeros(1, 5), torch.tensor([4]))
+    assert float(entropy(uniform)[0]) == pytest.approx(math.log(4))
+    conf_logits = torch.log(torch.tensor([[0.8, 0.2]]))
+    assert float(cft_gap(conf_logits, torch.tensor([0.0] * 8 + [0.5, 0.0]))) == pytest.approx((0.8 - 0.5) ** 2)
+
+
+def test_posthoc_fits_recover_known_parameters():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(4000, 4)) * 3
+    true_t = 2.5
+    p = np.exp(z / true_t) / np.exp(z / true_t).sum(1, keepdims=True)
+    labels = np.array([rng.choice(4, p=row) for row in p])
+    n = np.full(4000, 4)
+    assert fit_temperature(z, labels, n) == pytest.approx(true_t, rel=0.1)
+    d, l = fit_vector_scaling(z, labels, n)
+    np.testing.assert_allclose(d, 1 / true_t, rtol=0.15)
+    assert np.abs(l - l.mean()).max() < 0.15
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_training_config_validates(path):
+    cfg = load_config(path)
+    assert Path(cfg.split).is_file()
+    assert "calm train --config" in path.read_text().splitlines()[1] or "calm train --config" in path.read_text()
+
+
+def test_config_rejects_unknown_keys_and_bad_values(tmp_path):
+    from calm_core.errors import ConfigError
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('method = "calm"\nlearning_rate = 1\n')
+    with pytest.raises(ConfigError, match="learning_rate"):
+        load_config(bad)
+    bad.write_text('method = "magic"\n')
+    with pytest.raises(ConfigError, match="method"):
+        load_config(bad)
+    assert TrainConfig(method="calm_scalar").head == "scalar"

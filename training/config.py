@@ -1,0 +1,77 @@
+"""Typed training configuration, read from TOML; every default lives here."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from calm_core.errors import ConfigError
+
+Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    method: Method = "calm"
+    model: str | None = None  # None = embedded default
+    split: str = "configs/splits/science.toml"
+    seed: int = 0
+    out_dir: str = "runs/calm"
+
+    # LoRA on the top decoder layers only (their input is cached once per prompt).
+    lora_rank: int = Field(16, gt=0)
+    lora_alpha: float = 32.0
+    lora_targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora_top_layers: int = Field(4, gt=0)
+
+    steps: int = Field(200, gt=0)
+    batch_size: int = Field(8, gt=0)
+    lr_theta: float = Field(5e-4, gt=0)
+    lr_alpha: float = Field(2e-2, gt=0)
+
+    # CALM (BOME first-order bilevel): T inner SGD steps on g, then the coupled step along ∇f + λ∇q.
+    inner_steps: int = Field(1, ge=1)
+    inner_lr: float = Field(5e-3, gt=0)
+    eta: float = Field(0.5, gt=0)
+    entropy_over: Literal["options", "vocab"] = "options"
+    head: Literal["vector", "scalar"] = "vector"
+
+    # Baselines.
+    label_smoothing: float = Field(0.1, ge=0, lt=1)
+    cft_weight: float = Field(1.0, ge=0)
+    cft_bins: int = Field(10, gt=0)
+    reg_weight: float = Field(0.1, ge=0)
+
+    eval_every: int = Field(50, gt=0)
+    checkpoint_every: int = Field(25, gt=0)
+    encode_batch_size: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.method == "calm_scalar":
+            self.head = "scalar"
+        return self
+
+    @property
+    def uses_alpha(self) -> bool:
+        return self.method in ("calm", "calm_scalar", "iterate", "regularization")
+
+
+def load_config(path: str | Path, **overrides) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"training config not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None

@@ -1,0 +1,164 @@
+"""`calm report`: every method on the declared split, several seeds, one table.
+
+Trained methods run through the same Trainer (same data, steps and batch size); post-hoc temperature and vector
+scaling reuse the fine-tuned (SFT) model's logits, fitted on the labelled calibration questions (in-domain
+validation); the uncalibrated model is evaluated once. Outputs in --out: report.json, report.md, reliability.png
+(out-of-domain, pooled, first seed) and curves.png (training curves of CALM and the single-level baselines).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from calm_core.alpha_head import option_probs  # noqa: E402
+from calm_core.metrics import calibration_report, top_label  # noqa: E402
+from calm_core.plots import reliability_diagram  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.posthoc import fit_temperature, fit_vector_scaling  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
+
+TRAINED = ("sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar")
+ROWS = ("uncalibrated", "sft", "sft+temperature", "sft+vector_scaling", "label_smoothing", "cft", "regularization",
+        "iterate", "calm_scalar", "calm")
+METRICS = ("accuracy", "ece_10", "ece_15", "classwise_ece", "brier", "nll", "auroc", "aurc")
+ROLES = (("test_in_domain", "in_domain"), ("test_out_of_domain", "out_of_domain"))
+
+
+@dataclass
+class Predictions:
+    """Per role, the stacked probabilities/labels of every test source (padded to a common option count)."""
+
+    probs: dict[str, list[np.ndarray]]
+    labels: dict[str, list[np.ndarray]]
+
+
+def _role_metrics(trainer: Trainer, probs_of) -> tuple[dict, dict]:
+    """Metrics per role as the mean over that role's test sources; also the pooled (conf, correct) for plots."""
+    out, pooled = {}, {}
+    for role, name in ROLES:
+        per_source, confs, corrects = [], [], []
+        for data in trainer.sets[role].values():
+            probs = probs_of(data)
+            labels = data.labels.numpy()
+            per_source.append(calibration_report(probs, labels, n_boot=1).as_dict())
+            c, k = top_label(probs, labels)
+            confs.append(c)
+            corrects.append(k)
+        out[name] = {m: float(np.mean([r[m] for r in per_source])) for m in METRICS}
+        pooled[name] = (np.concatenate(confs), np.concatenate(corrects))
+    return out, pooled
+
+
+def _posthoc_rows(trainer: Trainer) -> dict[str, tuple[dict, dict]]:
+    """Temperature and vector scaling on top of the trained SFT model, fitted on labelled calibration questions."""
+    val = trainer.calib_set
+    z_val = trainer.raw_logits(val)
+    width = z_val.shape[1]
+    t = fit_temperature(z_val, val.labels.numpy(), val.n_options.numpy())
+    d, l = fit_vector_scaling(z_val, val.labels.numpy(), val.n_options.numpy())
+
+    def scaled(scale, shift):
+        def probs_of(data):
+            z = trainer.raw_logits(data)
+            k = int(data.n_options.max())
+            return option_probs((z * scale + shift)[:, :k], data.n_options.numpy())
+        return probs_of
+
+    rows = {"sft+temperature": _role_metrics(trainer, scaled(1.0 / t, 0.0)),
+            "sft+vector_scaling": _role_metrics(trainer, scaled(d[:width], l[:width]))}
+    rows["sft+temperature"][0]["fitted_temperature"] = t
+    return rows
+
+
+def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[int, dict]] = {row: {} for row in ROWS}
+    curves: dict[str, list[dict]] = {}
+    pooled_first: dict[str, tuple] = {}
+    for seed in seeds:
+        for method in TRAINED:
+            cfg = base.model_copy(update={"method": method, "seed": seed, "out_dir": str(out / "runs" / f"{method}-s{seed}"),
+                                          **({"steps": steps} if steps else {})})
+            cfg = TrainConfig.model_validate(cfg.model_dump())  # re-run validators (calm_scalar -> scalar head)
+            trainer = Trainer(cfg).setup()
+            if method == "sft" and seed == seeds[0]:
+                metrics, pooled = _role_metrics(trainer, trainer.probs)  # before any step: the uncalibrated model
+                results["uncalibrated"][seed] = metrics
+                pooled_first["uncalibrated"] = pooled["out_of_domain"]
+            trainer.resume()
+            trainer.train()
+            trainer.export()
+            metrics, pooled = _role_metrics(trainer, trainer.probs)
+            results[method][seed] = metrics
+            if seed == seeds[0]:
+                pooled_first[method] = pooled["out_of_domain"]
+                curves[method] = trainer.history
+            if method == "sft":
+                for row, (m, p) in _posthoc_rows(trainer).items():
+                    results[row][seed] = m
+                    if seed == seeds[0]:
+                        pooled_first[row] = p["out_of_domain"]
+    summary = {"config": base.model_dump(), "seeds": seeds, "steps": steps or base.steps,
+               "table": _aggregate(results), "per_seed": results}
+    (out / "report.json").write_text(json.dumps(summary, indent=2))
+    (out / "report.md").write_text(markdown(summary))
+    reliability_diagram({k: pooled_first[k] for k in ROWS if k in pooled_first}, out / "reliability.png",
+                        title="Out-of-domain reliability (pooled test sets, first seed)")
+    plot_curves(curves, out / "curves.png")
+    return summary
+
+
+def _aggregate(results: dict[str, dict[int, dict]]) -> dict:
+    table = {}
+    for row, by_seed in results.items():
+        if not by_seed:
+            continue
+        table[row] = {}
+        for _, name in ROLES:
+            table[row][name] = {}
+            for m in METRICS:
+                values = [by_seed[s][name][m] for s in by_seed]
+                table[row][name][m] = {"mean": float(np.mean(values)), "std": float(np.std(values))}
+    return table
+
+
+def markdown(summary: dict) -> str:
+    cfg = summary["config"]
+    lines = [f"# CALM report: {cfg['split']}, {len(summary['seeds'])} seed(s) {summary['seeds']}, {summary['steps']} steps, "
+             f"batch {cfg['batch_size']}, LoRA r={cfg['lora_rank']} on the top {cfg['lora_top_layers']} layers", ""]
+    for _, name in ROLES:
+        lines += [f"## {name.replace('_', '-')} (mean over its test sets; ± std over seeds)", "",
+                  "| method | " + " | ".join(METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+        for row in ROWS:
+            if row not in summary["table"]:
+                continue
+            cells = [f"{v['mean']:.3f} ± {v['std']:.3f}" for v in (summary["table"][row][name][m] for m in METRICS)]
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    keys = (("g", "lower level g (train CE)"), ("entropy", "calibration entropy (nats)"), ("lambda", "BOME λ"),
+            ("alpha_scale_mean", "mean d over answer letters"))
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    for ax, (key, title) in zip(axes, keys):
+        for method, history in curves.items():
+            points = [(h["step"], h[key]) for h in history if key in h]
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, label=method, lw=1)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

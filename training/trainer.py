@@ -1,0 +1,387 @@
+"""The training recipe for CALM and its baselines, one readable loop (in the manner of torchtune's recipes).
+
+    setup()      model -> LoRA on the top layers -> encoded data -> α head -> optimizer, in that order because
+                 each needs the one before (LoRA wraps the model; encoding needs the frozen layers; the optimizer
+                 needs every parameter)
+    train()      the loop: one `step_<method>` per step, logging, periodic evaluation and checkpoints
+    save_checkpoint() / resume   everything needed to continue bit-for-bit: weights, α, optimizer, data position
+    export()     the artifact: LoRA adapter, α head, manifest with metrics and reference histograms
+
+The step functions are small and explicit; `METHODS` maps a method name to its step (no chain of elifs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from calm_core.alpha_head import option_probs
+from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
+from calm_core.data import serving_domain
+from calm_core.hashing import vocab_sha256
+from calm_core.metrics import calibration_report, confidence_histogram, top_label
+from calm_core.models import model_weights_sha256, resolve_model
+from calm_core.paths import calm_home
+from calm_core.prompts import letter_token_ids
+from calm_core.splits import load_split, materialize
+from training.alpha_params import AlphaParams
+from training.artifacts import REFERENCE_BINS, model_refs
+from training.bome import bome_direction
+from training.config import TrainConfig
+from training.features import EncodedSet, concat, encode_sets
+from training.objectives import cft_gap, cross_entropy, entropy, mask_options
+from training.scoring import load_causal_lm, load_tokenizer
+from training.top_layers import collate, last_logits
+
+log = logging.getLogger("calm.train")
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass
+class Batch:
+    hidden: list[torch.Tensor]
+    labels: torch.Tensor
+    n_options: torch.Tensor
+
+
+class BatchStream:
+    """Deterministic batches: a fresh seeded permutation per epoch; the position is two integers (resumable)."""
+
+    def __init__(self, data: EncodedSet, batch_size: int, seed: int):
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.epoch, self.pos = 0, 0
+
+    def _perm(self) -> torch.Tensor:
+        return torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+
+    def next(self) -> Batch:
+        if self.pos + self.batch_size > len(self.data):
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = self._perm()[self.pos : self.pos + self.batch_size].tolist()
+        self.pos += self.batch_size
+        return Batch([self.data.hidden[i] for i in idx], self.data.labels[idx], self.data.n_options[idx])
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, show_progress: bool = True):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.show_progress = show_progress
+        self.step = 0
+        self.history: list[dict] = []
+        self._memo_step = -1
+        self._memo: dict[int, np.ndarray] = {}
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def setup(self) -> "Trainer":
+        cfg = self.cfg
+        _seed_everything(cfg.seed)
+        self.resolved = resolve_model(cfg.model)
+        self.tokenizer = load_tokenizer(self.resolved.path)
+        self.model = self._lora_model(load_causal_lm(self.resolved.path))
+        self.first_trained = self.model.get_base_model().config.num_hidden_layers - cfg.lora_top_layers
+        self.split = materialize(load_split(cfg.split))
+        self.sets = encode_sets(self.model, self.tokenizer, self.split, self.first_trained,
+                                model_weights_sha256(self.resolved), calm_home() / "cache", cfg.encode_batch_size)
+        self.train_set = concat(list(self.sets["train"].values()), "train")
+        self.calib_set = concat(list(self.sets["calibration"].values()), "calibration")
+        k_max = int(max(s.n_options.max() for d in self.sets.values() for s in d.values()))
+        self.letter_ids = torch.tensor(letter_token_ids(self.tokenizer)[:k_max])
+        self.vocab_size = int(self.model.get_base_model().config.vocab_size)
+        self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar")
+        self.theta = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [{"params": self.theta, "lr": cfg.lr_theta}]
+        if cfg.uses_alpha:
+            groups.append({"params": self.alpha.trainable(), "lr": cfg.lr_alpha})
+        self.optimizer = torch.optim.Adam(groups)
+        self.train_stream = BatchStream(self.train_set, cfg.batch_size, cfg.seed)
+        self.calib_stream = BatchStream(self.calib_set, cfg.batch_size, cfg.seed + 1)
+        self.cft_bins = self._initial_bin_accuracy() if cfg.method == "cft" else None
+        return self
+
+    def _lora_model(self, model):
+        from peft import LoraConfig, get_peft_model
+
+        layers = model.config.num_hidden_layers
+        lora = LoraConfig(r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, target_modules=self.cfg.lora_targets,
+                          layers_to_transform=list(range(layers - self.cfg.lora_top_layers, layers)), lora_dropout=0.0)
+        return get_peft_model(model, lora)
+
+    # -- forward pieces --------------------------------------------------------------------------------------------
+    def letter_logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
+        """Raw answer-position logits of the option letters, (B, K_max)."""
+        return last_logits(self.model, collate(hidden), self.first_trained, self.letter_ids)
+
+    def calibrated(self, z: torch.Tensor, n_options: torch.Tensor) -> torch.Tensor:
+        d, l = self.alpha.rows(self.letter_ids)
+        return mask_options(z * d + l, n_options)
+
+    def g(self, batch: Batch, z: torch.Tensor | None = None) -> torch.Tensor:
+        """Lower level: CE of the gold option under the calibrated distribution."""
+        z = self.letter_logits(batch.hidden) if z is None else z
+        return cross_entropy(self.calibrated(z, batch.n_options), batch.labels)
+
+    def f(self, batch: Batch) -> torch.Tensor:
+        """Upper level: minus the mean predictive entropy on unlabelled calibration questions."""
+        if self.cfg.entropy_over == "vocab":
+            logits = last_logits(self.model, collate(batch.hidden), self.first_trained)
+            d, l = self.alpha.full()
+            return -entropy(logits * d + l).mean()
+        return -entropy(self.calibrated(self.letter_logits(batch.hidden), batch.n_options)).mean()
+
+    # -- one step per method -----------------------------------------------------------------------------------------
+    def _apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        for p, gr in zip(params, grads):
+            p.grad = gr.detach().clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step_sft(self, smoothing: float = 0.0) -> dict:
+        batch = self.train_stream.next()
+        z = self.letter_logits(batch.hidden)
+        logits = mask_options(z, batch.n_options)
+        loss = cross_entropy(logits, batch.labels, smoothing)
+        if self.cfg.method == "cft":
+            loss = loss + self.cfg.cft_weight * cft_gap(logits, self.cft_bins)
+        self._apply(self.theta, torch.autograd.grad(loss, self.theta))
+        return {"g": float(loss)}
+
+    def step_label_smoothing(self) -> dict:
+        return self.step_sft(self.cfg.label_smoothing)
+
+    def step_regularization(self) -> dict:
+        train, calib = self.train_stream.next(), self.calib_stream.next()
+        g, f = self.g(train), self.f(calib)
+        params = self.theta + self.alpha.trainable()
+        self._apply(params, torch.autograd.grad(g + self.cfg.reg_weight * f, params))
+        return {"g": float(g), "f": float(f)}
+
+    def step_iterate(self) -> dict:
+        train, calib = self.train_stream.next(), self.calib_stream.next()
+        g = self.g(train)
+        self._apply(self.theta, torch.autograd.grad(g, self.theta))
+        f = self.f(calib)
+        alpha = self.alpha.trainable()
+        grads = torch.autograd.grad(f, alpha)
+        for p, gr in zip(alpha, grads):  # α's own step; θ's Adam state is left as it is
+            p.grad = gr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"g": float(g), "f": float(f)}
+
+    def step_calm(self) -> dict:
+        cfg = self.cfg
+        train, calib = self.train_stream.next(), self.calib_stream.next()
+        alpha = self.alpha.trainable()
+        # ∇g(α, θ): also the first inner step's gradient.
+        g = self.g(train)
+        grads_g = torch.autograd.grad(g, self.theta + alpha)
+        g_theta, g_alpha = grads_g[: len(self.theta)], grads_g[len(self.theta) :]
+        # θ̃: T inner SGD steps on g(α, ·) from θ, then back to θ afterwards.
+        saved = [p.detach().clone() for p in self.theta]
+        with torch.no_grad():
+            for p, gr in zip(self.theta, g_theta):
+                p -= cfg.inner_lr * gr
+        for _ in range(cfg.inner_steps - 1):
+            inner = torch.autograd.grad(self.g(train), self.theta)
+            with torch.no_grad():
+                for p, gr in zip(self.theta, inner):
+                    p -= cfg.inner_lr * gr
+        with torch.no_grad():  # θ̃ is detached: only α's gradient flows through g(α, θ̃)
+            z_tilde = self.letter_logits(train.hidden)
+        g_tilde = self.g(train, z_tilde)
+        g_alpha_tilde = torch.autograd.grad(g_tilde, alpha)
+        with torch.no_grad():
+            for p, s in zip(self.theta, saved):
+                p.copy_(s)
+        grad_q = list(g_theta) + [a - b for a, b in zip(g_alpha, g_alpha_tilde)]
+        f = self.f(calib)
+        grad_f = list(torch.autograd.grad(f, self.theta + alpha, allow_unused=True))
+        grad_f = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(self.theta + alpha, grad_f)]
+        step = bome_direction(grad_f, grad_q, cfg.eta)
+        self._apply(self.theta + alpha, step.direction)
+        return {"g": float(g.detach()), "f": float(f.detach()), "q": float((g - g_tilde).detach()), "lambda": step.lam,
+                "grad_q_sq": step.grad_q_sq, "entropy": -float(f)}
+
+    step_calm_scalar = step_calm
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        step_fn = getattr(self, f"step_{cfg.method}") if cfg.method != "cft" else self.step_sft
+        metrics_log = open(self.out / "train_log.jsonl", "a")
+        columns = (TextColumn(f"{cfg.method} seed {cfg.seed}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[info]}"))
+        with Progress(*columns, disable=not self.show_progress) as bar:
+            task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
+            while self.step < cfg.steps:
+                start = time.perf_counter()
+                record = step_fn()
+                self.step += 1
+                record.update(step=self.step, seconds=time.perf_counter() - start,
+                              alpha_scale_mean=float(self.alpha.rows(self.letter_ids)[0].mean()))
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    record.update({f"val_{k}": v for k, v in self.quick_eval().items()})
+                self.history.append(record)
+                metrics_log.write(json.dumps(record) + "\n")
+                metrics_log.flush()
+                bar.update(task, advance=1, info=f"g {record['g']:.3f}" + (f" λ {record['lambda']:.2f}" if "lambda" in record else ""))
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.save_checkpoint()
+        metrics_log.close()
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def raw_logits(self, data: EncodedSet, batch_size: int = 32) -> np.ndarray:
+        """Letter logits of a whole set under the current θ; memoised per step (evaluation and export share it)."""
+        if self._memo_step != self.step:
+            self._memo_step, self._memo = self.step, {}
+        if id(data) not in self._memo:
+            order = sorted(range(len(data)), key=lambda i: data.hidden[i].shape[0])  # little padding per batch
+            z = torch.empty(len(data), len(self.letter_ids), dtype=torch.float64)
+            for start in range(0, len(order), batch_size):
+                idx = order[start : start + batch_size]
+                z[idx] = self.letter_logits([data.hidden[i] for i in idx]).double()
+            self._memo[id(data)] = z.numpy()
+        return self._memo[id(data)]
+
+    def probs(self, data: EncodedSet, z: np.ndarray | None = None) -> np.ndarray:
+        z = self.raw_logits(data) if z is None else z
+        width = int(data.n_options.max())
+        d, l = (t.detach().double().numpy() for t in self.alpha.rows(self.letter_ids))
+        return option_probs((z * d + l)[:, :width], data.n_options.numpy())
+
+    def quick_eval(self) -> dict:
+        data = self.calib_set
+        probs = self.probs(data)
+        conf, correct = top_label(probs, data.labels.numpy())
+        return {"accuracy": float(correct.mean()), "mean_conf": float(conf.mean())}
+
+    def evaluate(self) -> dict[str, dict]:
+        """Metrics on every test source, keyed 'in_domain/<label>' and 'out_of_domain/<label>'."""
+        results = {}
+        for role, prefix in (("test_in_domain", "in_domain"), ("test_out_of_domain", "out_of_domain")):
+            for label, data in self.sets[role].items():
+                report = calibration_report(self.probs(data), data.labels.numpy(), n_boot=100, seed=self.cfg.seed)
+                results[f"{prefix}/{label}"] = report.as_dict()
+        return results
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        state = {
+            "step": self.step, "config": self.cfg.model_dump(),
+            "theta": [p.detach().clone() for p in self.theta], "alpha": self.alpha.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "streams": {"train": self.train_stream.state(), "calib": self.calib_stream.state()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "history": self.history,
+        }
+        tmp = self.out / f"{CHECKPOINT}.{os.getpid()}.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)  # a kill mid-write leaves the previous checkpoint intact
+
+    def resume(self) -> bool:
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            return False
+        state = torch.load(path, weights_only=False)
+        if state["config"] != self.cfg.model_dump():
+            changed = [k for k in state["config"] if state["config"][k] != self.cfg.model_dump().get(k)]
+            log.warning("resuming with a changed config (%s)", ", ".join(changed))
+        with torch.no_grad():
+            for p, saved in zip(self.theta, state["theta"]):
+                p.copy_(saved)
+        self.alpha.load_state_dict(state["alpha"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.train_stream.load(state["streams"]["train"])
+        self.calib_stream.load(state["streams"]["calib"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.step, self.history = state["step"], state["history"]
+        return True
+
+    # -- output ----------------------------------------------------------------------------------------------------
+    def export(self, metrics: dict[str, dict] | None = None, merged: bool = False) -> Path:
+        metrics = metrics if metrics is not None else self.evaluate()
+        base, tok = model_refs(self.resolved, self.tokenizer, self.vocab_size)
+        histograms = self.reference_histograms()
+        flat = {k: {m: float(v) for m, v in d.items() if isinstance(v, (int, float))} for k, d in metrics.items()}
+        data = [DataRef(name=f"{role}:{label}", sha256=_ids_hash(s.questions))
+                for role in ("train", "calibration") for label, s in self.sets[role].items()]
+        with tempfile.TemporaryDirectory() as tmp:
+            self.model.save_pretrained(tmp)
+            path = self.out / "artifact"
+            save_artifact(path, self.alpha.to_head(), base_model=base, tokenizer=tok, method=self.cfg.method,
+                          training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp)
+        (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        if merged:
+            self.write_merged(self.out / "merged")
+        return path
+
+    def reference_histograms(self) -> dict[str, ReferenceHistogram]:
+        """Calibrated confidences on held-out questions (in-domain tests and calibration), per serving domain."""
+        groups: dict[str, list[float]] = {}
+        for role in ("calibration", "test_in_domain", "test_out_of_domain"):
+            for data in self.sets[role].values():
+                conf = self.probs(data).max(axis=1)
+                for q, c in zip(data.questions, conf):
+                    groups.setdefault(serving_domain(q), []).append(float(c))
+                    groups.setdefault("all", []).append(float(c))
+        return {d: ReferenceHistogram(**dict(zip(("bin_edges", "counts"), confidence_histogram(v, REFERENCE_BINS))))
+                for d, v in sorted(groups.items())}
+
+    def write_merged(self, path: Path) -> Path:
+        """Base weights with the LoRA adapter merged in: a plain HF folder that vLLM loads on CPU and GPU."""
+        merged = self.model.merge_and_unload()
+        merged.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def _initial_bin_accuracy(self) -> torch.Tensor:
+        """CFT's bin accuracies, from the initial model on the labelled training set."""
+        probs = self.probs(self.train_set)
+        conf, correct = top_label(probs, self.train_set.labels.numpy())
+        bins = self.cfg.cft_bins
+        idx = np.minimum((conf * bins).astype(int), bins - 1)
+        acc = [correct[idx == b].mean() if (idx == b).any() else (b + 0.5) / bins for b in range(bins)]
+        return torch.tensor(acc, dtype=torch.float32)
+
+
+def _ids_hash(questions) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(q.id for q in questions).encode()).hexdigest()
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_training(cfg: TrainConfig, resume: bool = True, show_progress: bool = True) -> tuple[Trainer, dict]:
+    trainer = Trainer(cfg, show_progress).setup()
+    if resume and trainer.resume():
+        log.info("resumed at step %d", trainer.step)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.export(metrics)
+    return trainer, metrics
