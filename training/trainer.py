@@ -160,7 +160,7 @@ class Trainer:
         if self.cfg.method == "cft":
             loss = loss + self.cfg.cft_weight * cft_gap(logits, self.cft_bins)
         self._apply(self.theta, torch.autograd.grad(loss, self.theta))
-        return {"g": float(loss)}
+        return {"g": float(loss.detach())}
 
     def step_label_smoothing(self) -> dict:
         return self.step_sft(self.cfg.label_smoothing)
@@ -170,7 +170,7 @@ class Trainer:
         g, f = self.g(train), self.f(calib)
         params = self.theta + self.alpha.trainable()
         self._apply(params, torch.autograd.grad(g + self.cfg.reg_weight * f, params))
-        return {"g": float(g), "f": float(f)}
+        return {"g": float(g.detach()), "f": float(f.detach())}
 
     def step_iterate(self) -> dict:
         train, calib = self.train_stream.next(), self.calib_stream.next()
@@ -183,7 +183,7 @@ class Trainer:
             p.grad = gr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"g": float(g), "f": float(f)}
+        return {"g": float(g.detach()), "f": float(f.detach())}
 
     def step_calm(self) -> dict:
         cfg = self.cfg
