@@ -31,4 +31,4 @@ class AlphaParams(nn.Module):
 
     def to_head(self) -> AlphaHead:
         d, l = self.full()
-        return AlphaHead(d.detach().numpy().astype(np.float32), l.detach().numpy().astype(np.float32))
+        return AlphaHead(d.detach().cpu().numpy().astype(np.float32), l.detach().cpu().numpy().astype(np.float32))

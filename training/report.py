@@ -106,13 +106,14 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
                     results[row][seed] = m
                     if seed == seeds[0]:
                         pooled_first[row] = p["out_of_domain"]
-    summary = {"config": base.model_dump(), "seeds": seeds, "steps": steps or base.steps,
-               "table": _aggregate(results), "per_seed": results}
-    (out / "report.json").write_text(json.dumps(summary, indent=2))
-    (out / "report.md").write_text(markdown(summary))
-    reliability_diagram({k: pooled_first[k] for k in ROWS if k in pooled_first}, out / "reliability.png",
-                        title="Out-of-domain reliability (pooled test sets, first seed)")
-    plot_curves(curves, out / "curves.png")
+        done = seeds[: seeds.index(seed) + 1]  # written after every seed, so a long run leaves usable results
+        summary = {"config": base.model_dump(), "seeds": done, "steps": steps or base.steps,
+                   "table": _aggregate(results), "per_seed": results}
+        (out / "report.json").write_text(json.dumps(summary, indent=2))
+        (out / "report.md").write_text(markdown(summary))
+        reliability_diagram({k: pooled_first[k] for k in ROWS if k in pooled_first}, out / "reliability.png",
+                            title="Out-of-domain reliability (pooled test sets, first seed)")
+        plot_curves(curves, out / "curves.png")
     return summary
 
 

@@ -19,6 +19,9 @@ class PrefixBatch:
     hidden: torch.Tensor  # (B, T, H) left-padded hidden states entering the first trained layer
     mask: torch.Tensor  # (B, T) 1 for real tokens
 
+    def to(self, device) -> "PrefixBatch":
+        return PrefixBatch(self.hidden.to(device), self.mask.to(device))
+
 
 def decoder(model):
     """The LlamaModel-like stack inside a causal LM, with or without a peft wrapper."""

@@ -90,11 +90,17 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def setup(self) -> "Trainer":
+        from accelerate import Accelerator
+
         cfg = self.cfg
+        # Under `accelerate launch` each process trains on its own batches and the step directions are averaged
+        # (`_apply`); BOME combines gradients by hand, so DDP's backward hooks could not do that averaging.
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        self.device = self.accelerator.device
         _seed_everything(cfg.seed)
         self.resolved = resolve_model(cfg.model)
         self.tokenizer = load_tokenizer(self.resolved.path)
-        self.model = self._lora_model(load_causal_lm(self.resolved.path))
+        self.model = self._lora_model(load_causal_lm(self.resolved.path)).to(self.device)
         self.first_trained = self.model.get_base_model().config.num_hidden_layers - cfg.lora_top_layers
         self.split = materialize(load_split(cfg.split))
         self.sets = encode_sets(self.model, self.tokenizer, self.split, self.first_trained,
@@ -102,16 +108,17 @@ class Trainer:
         self.train_set = concat(list(self.sets["train"].values()), "train")
         self.calib_set = concat(list(self.sets["calibration"].values()), "calibration")
         k_max = int(max(s.n_options.max() for d in self.sets.values() for s in d.values()))
-        self.letter_ids = torch.tensor(letter_token_ids(self.tokenizer)[:k_max])
+        self.letter_ids = torch.tensor(letter_token_ids(self.tokenizer)[:k_max], device=self.device)
         self.vocab_size = int(self.model.get_base_model().config.vocab_size)
-        self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar")
+        self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar").to(self.device)
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": self.theta, "lr": cfg.lr_theta}]
         if cfg.uses_alpha:
             groups.append({"params": self.alpha.trainable(), "lr": cfg.lr_alpha})
         self.optimizer = torch.optim.Adam(groups)
-        self.train_stream = BatchStream(self.train_set, cfg.batch_size, cfg.seed)
-        self.calib_stream = BatchStream(self.calib_set, cfg.batch_size, cfg.seed + 1)
+        rank = self.accelerator.process_index
+        self.train_stream = BatchStream(self.train_set, cfg.batch_size, cfg.seed + 7919 * rank)
+        self.calib_stream = BatchStream(self.calib_set, cfg.batch_size, cfg.seed + 1 + 7919 * rank)
         self.cft_bins = self._initial_bin_accuracy() if cfg.method == "cft" else None
         return self
 
@@ -126,7 +133,7 @@ class Trainer:
     # -- forward pieces --------------------------------------------------------------------------------------------
     def letter_logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
         """Raw answer-position logits of the option letters, (B, K_max)."""
-        return last_logits(self.model, collate(hidden), self.first_trained, self.letter_ids)
+        return last_logits(self.model, collate(hidden).to(self.device), self.first_trained, self.letter_ids)
 
     def calibrated(self, z: torch.Tensor, n_options: torch.Tensor) -> torch.Tensor:
         d, l = self.alpha.rows(self.letter_ids)
@@ -135,28 +142,29 @@ class Trainer:
     def g(self, batch: Batch, z: torch.Tensor | None = None) -> torch.Tensor:
         """Lower level: CE of the gold option under the calibrated distribution."""
         z = self.letter_logits(batch.hidden) if z is None else z
-        return cross_entropy(self.calibrated(z, batch.n_options), batch.labels)
+        return cross_entropy(self.calibrated(z, batch.n_options.to(self.device)), batch.labels.to(self.device))
 
     def f(self, batch: Batch) -> torch.Tensor:
         """Upper level: minus the mean predictive entropy on unlabelled calibration questions."""
         if self.cfg.entropy_over == "vocab":
-            logits = last_logits(self.model, collate(batch.hidden), self.first_trained)
+            logits = last_logits(self.model, collate(batch.hidden).to(self.device), self.first_trained)
             d, l = self.alpha.full()
             return -entropy(logits * d + l).mean()
-        return -entropy(self.calibrated(self.letter_logits(batch.hidden), batch.n_options)).mean()
+        return -entropy(self.calibrated(self.letter_logits(batch.hidden), batch.n_options.to(self.device))).mean()
 
     # -- one step per method -----------------------------------------------------------------------------------------
     def _apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
         for p, gr in zip(params, grads):
-            p.grad = gr.detach().clone()
+            gr = gr.detach().clone()
+            p.grad = self.accelerator.reduce(gr, "mean") if self.accelerator.num_processes > 1 else gr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def step_sft(self, smoothing: float = 0.0) -> dict:
         batch = self.train_stream.next()
         z = self.letter_logits(batch.hidden)
-        logits = mask_options(z, batch.n_options)
-        loss = cross_entropy(logits, batch.labels, smoothing)
+        logits = mask_options(z, batch.n_options.to(self.device))
+        loss = cross_entropy(logits, batch.labels.to(self.device), smoothing)
         if self.cfg.method == "cft":
             loss = loss + self.cfg.cft_weight * cft_gap(logits, self.cft_bins)
         self._apply(self.theta, torch.autograd.grad(loss, self.theta))
@@ -226,10 +234,11 @@ class Trainer:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         step_fn = getattr(self, f"step_{cfg.method}") if cfg.method != "cft" else self.step_sft
-        metrics_log = open(self.out / "train_log.jsonl", "a")
+        main = self.accelerator.is_main_process
+        metrics_log = open(self.out / "train_log.jsonl" if main else os.devnull, "a")
         columns = (TextColumn(f"{cfg.method} seed {cfg.seed}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
-        with Progress(*columns, disable=not self.show_progress) as bar:
+        with Progress(*columns, disable=not (self.show_progress and main)) as bar:
             task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
             while self.step < cfg.steps:
                 start = time.perf_counter()
@@ -258,14 +267,14 @@ class Trainer:
             z = torch.empty(len(data), len(self.letter_ids), dtype=torch.float64)
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                z[idx] = self.letter_logits([data.hidden[i] for i in idx]).double()
+                z[idx] = self.letter_logits([data.hidden[i] for i in idx]).double().cpu()
             self._memo[id(data)] = z.numpy()
         return self._memo[id(data)]
 
     def probs(self, data: EncodedSet, z: np.ndarray | None = None) -> np.ndarray:
         z = self.raw_logits(data) if z is None else z
         width = int(data.n_options.max())
-        d, l = (t.detach().double().numpy() for t in self.alpha.rows(self.letter_ids))
+        d, l = (t.detach().double().cpu().numpy() for t in self.alpha.rows(self.letter_ids))
         return option_probs((z * d + l)[:, :width], data.n_options.numpy())
 
     def quick_eval(self) -> dict:
@@ -285,6 +294,8 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
         state = {
             "step": self.step, "config": self.cfg.model_dump(),
             "theta": [p.detach().clone() for p in self.theta], "alpha": self.alpha.state_dict(),
@@ -320,6 +331,9 @@ class Trainer:
 
     # -- output ----------------------------------------------------------------------------------------------------
     def export(self, metrics: dict[str, dict] | None = None, merged: bool = False) -> Path:
+        path = self.out / "artifact"
+        if not self.accelerator.is_main_process:
+            return path
         metrics = metrics if metrics is not None else self.evaluate()
         base, tok = model_refs(self.resolved, self.tokenizer, self.vocab_size)
         histograms = self.reference_histograms()
@@ -328,7 +342,6 @@ class Trainer:
                 for role in ("train", "calibration") for label, s in self.sets[role].items()]
         with tempfile.TemporaryDirectory() as tmp:
             self.model.save_pretrained(tmp)
-            path = self.out / "artifact"
             save_artifact(path, self.alpha.to_head(), base_model=base, tokenizer=tok, method=self.cfg.method,
                           training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp)
         (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
@@ -362,7 +375,7 @@ class Trainer:
         bins = self.cfg.cft_bins
         idx = np.minimum((conf * bins).astype(int), bins - 1)
         acc = [correct[idx == b].mean() if (idx == b).any() else (b + 0.5) / bins for b in range(bins)]
-        return torch.tensor(acc, dtype=torch.float32)
+        return torch.tensor(acc, dtype=torch.float32, device=self.device)
 
 
 def _ids_hash(questions) -> str:
