@@ -3,11 +3,10 @@ CPU and GPU alike (vLLM's LoRA path is not available in every CPU build), cached
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 from calm_core.artifact import LoadedArtifact
+from calm_core.atomic import atomic_dir
 from calm_core.paths import calm_home
 
 
@@ -24,16 +23,7 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
-        tmp.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target

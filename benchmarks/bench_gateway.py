@@ -178,7 +178,7 @@ def markdown(r: dict) -> str:
                          f"{d['p50_ms']:.1f} | {g['p50_ms']:.1f} | {g['p50_ms'] - d['p50_ms']:+.1f} |")
     a, p = r["decode_alpha"], r["decode_plain"]
     lines += ["", f"α head in the engine (free form, concurrency 8): {a['rps']:.2f} rps with it, {p['rps']:.2f} without "
-              f"→ decode time +{100 * (p['rps'] / a['rps'] - 1):.1f} %.",
+              f"→ decode time {100 * (p['rps'] / a['rps'] - 1):+.1f} % with the head (run-to-run noise is larger than that).",
               f"Gateway ceiling, pinned to one core, instant upstream, concurrency 32: {r['ceiling']['rps']:.0f} requests/s "
               f"(p50 {r['ceiling']['p50_ms']:.1f} ms)."]
     return "\n".join(lines) + "\n"

@@ -164,6 +164,7 @@ def report_cmd(
     config: Annotated[Path, typer.Option(help="base training config (TOML)")] = Path("configs/train/calm.toml"),
     seeds: Annotated[list[int], typer.Option("--seed", help="repeatable")] = [0, 1, 2],
     quick: Annotated[bool, typer.Option(help="one seed and a quarter of the steps")] = False,
+    steps: Annotated[Optional[int], typer.Option(help="override the config's steps for every method")] = None,
     out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/calm"),
 ):
     """Run every method (CALM, ablations, baselines) on the declared split; write report.json/.md and plots."""
@@ -174,7 +175,7 @@ def report_cmd(
 
     torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     base = load_config(config)
-    steps = max(base.steps // 4, 10) if quick else None
+    steps = steps or (max(base.steps // 4, 10) if quick else None)
     summary = run_report(base, seeds[:1] if quick else list(seeds), out, steps)
     typer.echo((out / "report.md").read_text())
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png, curves.png ({len(summary['table'])} rows)")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from calm_core.alpha_head import AlphaHead, HeadKind
+from calm_core.atomic import atomic_dir
 from calm_core.errors import ArtifactError
 from calm_core.hashing import sha256_file
 
@@ -93,10 +93,7 @@ def save_artifact(
 ) -> ArtifactManifest:
     """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""
     head.check_vocab(tokenizer.vocab_size)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         head_path = tmp / HEAD_FILE
         save_file({"scale": head.scale, "shift": head.shift}, str(head_path))
         if adapter_dir is not None:
@@ -115,11 +112,6 @@ def save_artifact(
             has_adapter=adapter_dir is not None,
         )
         _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
-        _make_readable(tmp)  # mkdtemp makes it private; engines may run as other users
-        _replace_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -128,23 +120,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _make_readable(folder: Path) -> None:
-    folder.chmod(0o755)
-    for p in folder.rglob("*"):
-        p.chmod(0o755 if p.is_dir() else 0o644)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished folder into place; an existing artifact is swapped out, then removed."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 class LoadedArtifact(BaseModel, arbitrary_types_allowed=True):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from calm_core.atomic import atomic_dir
 from calm_core.errors import ModelError
 from calm_core.hashing import sha256_file, weights_sha256
 from calm_core.paths import calm_home
@@ -86,13 +85,11 @@ def prepare_embedded(dtype: str = "float32", home: Path | None = None, force: bo
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    import transformers
+
+    with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        import transformers
-
         (tmp / MANIFEST_NAME).write_text(
             json.dumps(
                 {
@@ -108,15 +105,6 @@ def prepare_embedded(dtype: str = "float32", home: Path | None = None, force: bo
                 indent=2,
             )
         )
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared with vLLM workers and other users
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 
