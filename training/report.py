@@ -151,12 +151,13 @@ def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
     keys = (("g", "lower level g (train CE)"), ("entropy", "calibration entropy (nats)"), ("lambda", "BOME λ"),
             ("alpha_scale_mean", "mean d over answer letters"))
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
+    colors = {method: f"C{i}" for i, method in enumerate(curves)}  # one colour per method across panels
     for ax, (key, title) in zip(axes, keys):
         for method, history in curves.items():
             points = [(h["step"], h[key]) for h in history if key in h]
             if points:
                 steps, values = zip(*points)
-                ax.plot(steps, values, label=method, lw=1)
+                ax.plot(steps, values, label=method, lw=1, color=colors[method])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
     axes[0].legend(fontsize=7)
