@@ -30,7 +30,7 @@ from adapters.upstream import _payload  # noqa: E402  (the exact body the gatewa
 from adapters.engine import EngineRequest  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402
-from calm_core.prompts import letter_token_ids, letter_user_message, render_chat, LETTERS  # noqa: E402
+from calm_core.prompts import letter_token_ids, letter_user_message, render_chat  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 

@@ -7,7 +7,6 @@ where a question has fewer options; `labels` are gold option indices.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def mask_options(logits: torch.Tensor, n_options: torch.Tensor) -> torch.Tensor:

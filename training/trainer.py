@@ -28,7 +28,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calm_core.alpha_head import option_probs
 from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
 from calm_core.data import serving_domain
-from calm_core.hashing import vocab_sha256
 from calm_core.metrics import calibration_report, confidence_histogram, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.paths import calm_home
