@@ -224,7 +224,7 @@ class Trainer:
         step = bome_direction(grad_f, grad_q, cfg.eta)
         self._apply(self.theta + alpha, step.direction)
         return {"g": float(g.detach()), "f": float(f.detach()), "q": float((g - g_tilde).detach()), "lambda": step.lam,
-                "grad_q_sq": step.grad_q_sq, "entropy": -float(f)}
+                "grad_q_sq": step.grad_q_sq, "entropy": -float(f.detach())}
 
     step_calm_scalar = step_calm
 
