@@ -38,6 +38,20 @@ def reference_questions(root: Path = BUNDLED_DATA_DIR) -> list[MCQuestion]:
     return [q for name in MC_DATASETS for q in load_mc(name, default_split(name), root)]
 
 
+def domain_groups(questions: list[MCQuestion]) -> dict[str, np.ndarray]:
+    """Row indices per serving domain, plus 'all': how reference histograms and metrics are grouped."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, q in enumerate(questions):
+        groups[serving_domain(q)].append(i)
+    groups["all"] = list(range(len(questions)))
+    return {d: np.asarray(idx) for d, idx in sorted(groups.items())}
+
+
+def reference_histogram(confidence: np.ndarray) -> ReferenceHistogram:
+    edges, counts = confidence_histogram(confidence, REFERENCE_BINS)
+    return ReferenceHistogram(bin_edges=edges, counts=counts)
+
+
 def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: AlphaHead | None, batch_size: int = 16):
     """Per serving domain (and 'all'): the histogram of calibrated top-label confidences, and the metrics."""
     from training.scoring import score_letters
@@ -45,15 +59,9 @@ def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: Al
     scores = score_letters(model, tokenizer, questions, batch_size, description="reference")
     probs = scores.probs(head)
     confidence, _ = top_label(probs, scores.labels)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, q in enumerate(questions):
-        groups[serving_domain(q)].append(i)
-    groups["all"] = list(range(len(questions)))
     histograms, metrics = {}, {}
-    for domain, idx in sorted(groups.items()):
-        idx = np.asarray(idx)
-        edges, counts = confidence_histogram(confidence[idx], REFERENCE_BINS)
-        histograms[domain] = ReferenceHistogram(bin_edges=edges, counts=counts)
+    for domain, idx in domain_groups(questions).items():
+        histograms[domain] = reference_histogram(confidence[idx])
         width = int(scores.n_options[idx].max())
         report = calibration_report(probs[idx][:, :width], scores.labels[idx], n_boot=1)
         metrics[domain] = {k: float(v) for k, v in report.as_dict().items() if not isinstance(v, (tuple, list))}

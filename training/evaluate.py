@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -50,13 +50,6 @@ class EvalConfig:
     dtype: str = "float32"
     out_dir: str = "reports/eval"
     n_boot: int = 200
-
-
-@dataclass
-class DatasetResult:
-    dataset: str
-    metrics: dict
-    extra: dict = field(default_factory=dict)
 
 
 def sample_questions(questions: list[MCQuestion], limit: int | None, seed: int) -> list[MCQuestion]:

@@ -27,14 +27,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calm_core.alpha_head import option_probs
 from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
-from calm_core.data import serving_domain
-from calm_core.metrics import calibration_report, confidence_histogram, top_label
+from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.paths import calm_home
 from calm_core.prompts import letter_token_ids
 from calm_core.splits import load_split, materialize
 from training.alpha_params import AlphaParams
-from training.artifacts import REFERENCE_BINS, model_refs
+from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.bome import bome_direction
 from training.config import TrainConfig
 from training.features import EncodedSet, concat, encode_sets
@@ -350,15 +349,10 @@ class Trainer:
 
     def reference_histograms(self) -> dict[str, ReferenceHistogram]:
         """Calibrated confidences on held-out questions (in-domain tests and calibration), per serving domain."""
-        groups: dict[str, list[float]] = {}
-        for role in ("calibration", "test_in_domain", "test_out_of_domain"):
-            for data in self.sets[role].values():
-                conf = self.probs(data).max(axis=1)
-                for q, c in zip(data.questions, conf):
-                    groups.setdefault(serving_domain(q), []).append(float(c))
-                    groups.setdefault("all", []).append(float(c))
-        return {d: ReferenceHistogram(**dict(zip(("bin_edges", "counts"), confidence_histogram(v, REFERENCE_BINS))))
-                for d, v in sorted(groups.items())}
+        held_out = [d for role in ("calibration", "test_in_domain", "test_out_of_domain") for d in self.sets[role].values()]
+        confidence = np.concatenate([self.probs(d).max(axis=1) for d in held_out])
+        questions = [q for d in held_out for q in d.questions]
+        return {domain: reference_histogram(confidence[idx]) for domain, idx in domain_groups(questions).items()}
 
     def write_merged(self, path: Path) -> Path:
         """Base weights with the LoRA adapter merged in: a plain HF folder that vLLM loads on CPU and GPU."""
@@ -387,13 +381,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def run_training(cfg: TrainConfig, resume: bool = True, show_progress: bool = True) -> tuple[Trainer, dict]:
-    trainer = Trainer(cfg, show_progress).setup()
-    if resume and trainer.resume():
-        log.info("resumed at step %d", trainer.step)
-    trainer.train()
-    metrics = trainer.evaluate()
-    trainer.export(metrics)
-    return trainer, metrics
