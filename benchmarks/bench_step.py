@@ -71,7 +71,7 @@ def main() -> None:
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(runs[-1], flush=True)
     sft = runs[0]
-    lines = ["One optimiser step on the same batches (configs/train/calm.toml: batch 8, LoRA on the top 4 layers), "
+    lines = ["One optimiser step on the same batches (configs/train/calm.toml: cloze option scoring, batch 8, LoRA on the top 4 layers), "
              f"median of {args.steps} steps after {args.warmup} warm-up, 2 threads.", "",
              "| method | T | step s | time ratio vs SFT | peak RSS while stepping GiB | peak-memory ratio | peak above pre-step RSS MiB |",
              "|---|---|---|---|---|---|---|"]

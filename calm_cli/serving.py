@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from calm_core.hashing import vocab_sha256
 from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
 from calm_core.paths import BUNDLED_DIR
 
+log = logging.getLogger("calm.serve")
 DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
 
 
@@ -50,6 +52,11 @@ def build_gateway(settings):
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
     tokenizer, artifact = load_checked(model, artifact_path)
+    if artifact.manifest.answer_format != "letter":
+        # Served anyway (its LoRA and α head still apply to every token), but the numbers should not be trusted blindly.
+        log.warning("artifact %s was calibrated on %s option scoring; the gateway's multiple-choice confidence is the "
+                    "probability of the answer letter, which this head was not fitted on",
+                    artifact.manifest.artifact_version, artifact.manifest.answer_format)
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 

@@ -16,6 +16,7 @@ import shutil
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, Field, ValidationError
@@ -68,6 +69,8 @@ class ArtifactManifest(BaseModel):
     training_data: list[DataRef] = []
     created_at: str
     method: str = "identity"
+    # How the head was fitted to multiple-choice answers: one letter token, or each option's text (cloze).
+    answer_format: Literal["letter", "cloze"] = "letter"
     metrics: dict[str, dict[str, float]] = {}
     reference_histograms: dict[str, ReferenceHistogram] = {}
     has_adapter: bool = False
@@ -90,6 +93,7 @@ def save_artifact(
     reference_histograms: dict[str, ReferenceHistogram] | None = None,
     adapter_dir: str | Path | None = None,
     artifact_version: str | None = None,
+    answer_format: str = "letter",
 ) -> ArtifactManifest:
     """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""
     head.check_vocab(tokenizer.vocab_size)
@@ -107,6 +111,7 @@ def save_artifact(
             training_data=training_data or [],
             created_at=datetime.now(timezone.utc).isoformat(),
             method=method,
+            answer_format=answer_format,
             metrics=metrics or {},
             reference_histograms=reference_histograms or {},
             has_adapter=adapter_dir is not None,

@@ -1,4 +1,5 @@
-"""Prompt builders: the letter format ("answer with a single letter") under the model's chat template."""
+"""Prompt builders under the model's chat template: the letter format ("answer with a single letter") and the cloze
+format (the question alone; each option is scored as the text of the answer)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def render_chat(tokenizer: ChatTokenizer, messages: list[dict[str, str]]) -> str
 
 def letter_prompt(tokenizer: ChatTokenizer, q: MCQuestion) -> str:
     return render_chat(tokenizer, letter_messages(q))
+
+
+def cloze_prompt(q: MCQuestion) -> str:
+    """The question alone; each option is scored as the text that follows (`cloze_option`).
+
+    Plain text, not the chat template: on 200 questions each, SmolLM2-135M-Instruct scored options better this way
+    (ARC-Easy 0.51 vs 0.38, OpenBookQA 0.35 vs 0.25; benchmarks/cloze_formats.py)."""
+    return f"Question: {q.question.strip()}\nAnswer:"
+
+
+def cloze_option(choice: str) -> str:
+    return " " + choice.strip()
 
 
 def letter_token_ids(tokenizer) -> list[int]:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from calm_core.artifact import load_artifact
+from calm_core.errors import ConfigError
 from calm_core.hashing import vocab_sha256
 from training.config import load_config
 from training.trainer import Trainer
@@ -32,8 +33,37 @@ def test_top_layers_path_equals_the_full_model(embedded_model, shared_data):
     torch.testing.assert_close(top, full, atol=1e-4, rtol=1e-4)
 
 
-def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, embedded_model_dir):
-    cfg = load_config(SMOKE, out_dir=str(tmp_path / "run"), steps=12)
+def test_packed_cloze_scores_equal_separate_full_model_runs(embedded_model, shared_data):
+    """Packing a question with all its options, and running only the top layers, changes no option's log-likelihood;
+    a non-trivial α head enters every token's full-vocabulary softmax."""
+    from calm_core.data import load_mc
+    from calm_core.prompts import cloze_option, cloze_prompt
+    from training.cloze import encode_packed, option_scores, pack_question, token_logits
+
+    model, tokenizer = embedded_model
+    questions = load_mc("openbookqa", "test", root=shared_data)[:3] + load_mc("arc_easy", "dev", root=shared_data)[:3]
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    scale, shift = torch.rand(vocab, generator=gen) + 0.5, torch.randn(vocab, generator=gen)
+    expected = torch.zeros(len(questions), 5)
+    with torch.no_grad():
+        for i, q in enumerate(questions):
+            prompt = tokenizer(cloze_prompt(q), add_special_tokens=False)["input_ids"]
+            for k, choice in enumerate(q.choices):
+                option = tokenizer(cloze_option(choice), add_special_tokens=False)["input_ids"]
+                logits = model(torch.tensor([prompt + option])).logits[0, len(prompt) - 1 : -1]
+                logp = torch.log_softmax(logits * scale + shift, -1)
+                expected[i, k] = logp.gather(1, torch.tensor(option)[:, None]).mean()
+        items = [pack_question(tokenizer, q) for q in questions]
+        encode_packed(model, items, 26, batch_size=4)
+        got = option_scores(token_logits(model, items, 26, 5, "cpu"), scale, shift)
+    for i, q in enumerate(questions):
+        torch.testing.assert_close(got[i, : q.n_options], expected[i, : q.n_options], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("answer_format", ["cloze", "letter"])
+def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, embedded_model_dir, answer_format):
+    cfg = load_config(SMOKE, out_dir=str(tmp_path / "run"), steps=12, answer_format=answer_format)
     trainer = Trainer(cfg, show_progress=False).setup()
     alpha_before = trainer.alpha.full()[1].detach().clone()
     trainer.train()
@@ -42,13 +72,14 @@ def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, 
     assert any(h["lambda"] > 0 for h in history)  # the coupling term was active
     # g decreases: mean of the last 4 steps below the first 4 (the same 32 questions cycle through).
     assert np.mean([h["g"] for h in history[-4:]]) < np.mean([h["g"] for h in history[:4]])
-    moved = (trainer.alpha.full()[1].detach() - alpha_before).abs()[trainer.letter_ids]
-    assert float(moved.max()) > 1e-4  # α moved on the answer letters
+    moved = (trainer.alpha.full()[1].detach() - alpha_before).abs()[trainer.tracked_tokens]
+    assert float(moved.max()) > 1e-4  # α moved on the tokens of the answer options
     metrics = trainer.evaluate()
     path = trainer.export(metrics)
     loaded = load_artifact(path, expect_vocab_size=49152,
                            expect_tokenizer_sha256=vocab_sha256(trainer.tokenizer.get_vocab()))
     assert loaded.manifest.method == "calm" and loaded.adapter_dir is not None
+    assert loaded.manifest.answer_format == answer_format
     assert (loaded.adapter_dir / "adapter_config.json").is_file()
     assert "in_domain/arc_easy" in loaded.manifest.metrics and "all" in loaded.manifest.reference_histograms
     np.testing.assert_allclose(loaded.head.shift, trainer.alpha.full()[1].detach().numpy(), rtol=1e-6)
@@ -68,3 +99,7 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, embedd
     for a, b in zip(full.theta, second.theta):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(full.alpha.full()[1], second.alpha.full()[1], atol=1e-5, rtol=1e-4)
+    # A checkpoint of another configuration is refused, not silently continued.
+    other = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "cut"), steps=8, lr_alpha=1e-3), show_progress=False).setup()
+    with pytest.raises(ConfigError, match="lr_alpha"):
+        other.resume()

@@ -95,3 +95,29 @@ def test_config_rejects_unknown_keys_and_bad_values(tmp_path):
     with pytest.raises(ConfigError, match="method"):
         load_config(bad)
     assert TrainConfig(method="calm_scalar").head == "scalar"
+
+
+def test_packed_mask_lets_each_option_see_the_prompt_and_itself_only():
+    from training.cloze import packed_mask
+
+    segment = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    m = packed_mask(segment)[0, 0]
+    assert m[3].tolist() == [True, True, True, True, False, False]  # option 1 token: prompt + own earlier token
+    assert m[4].tolist() == [True, True, False, False, True, False]  # option 2 never sees option 1
+    assert m[1].tolist() == [True, True, False, False, False, False]  # prompt is causal
+    assert not m[:, 5][:5].any() and m[5, 5]  # no real token sees padding; no row is fully masked
+
+
+def test_option_scores_are_mean_calibrated_token_log_likelihoods():
+    from training.cloze import TokenLogits, option_scores, token_entropy
+
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]])
+    raw = TokenLogits(logits, targets=torch.tensor([0, 1, 2]), slot=torch.tensor([0, 0, 1]), rows=1, width=3)
+    scale, shift = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0.0, 1.0, 0.0])
+    logp = torch.log_softmax(logits * scale + shift, -1)
+    got = option_scores(raw, scale, shift)
+    assert got.shape == (1, 3)
+    assert float(got[0, 0]) == pytest.approx(float(logp[0, 0] + logp[1, 1]) / 2)
+    assert float(got[0, 1]) == pytest.approx(float(logp[2, 2]))
+    assert float(got[0, 2]) == 0.0  # no option in that slot: left for the caller's mask
+    assert float(token_entropy(raw, scale, shift)[0]) == pytest.approx(float(entropy(logits * scale + shift).mean()))

@@ -21,6 +21,9 @@ class TrainConfig(BaseModel):
     split: str = "configs/splits/science.toml"
     seed: int = 0
     out_dir: str = "runs/calm"
+    # cloze: options scored by their text's length-normalised log-likelihood (α on every token of it);
+    # letter: one letter at the answer position (stays at chance at 135M parameters).
+    answer_format: Literal["cloze", "letter"] = "cloze"
 
     # LoRA on the top decoder layers only (their input is cached once per prompt).
     lora_rank: int = Field(16, gt=0)

@@ -1,7 +1,7 @@
-"""Encoded question sets: the frozen-prefix hidden states of every prompt in a split, cached on disk.
+"""Encoded question sets: the frozen-prefix hidden states of every question in a split, cached on disk.
 
-The cache key covers the model's weights id, the layer where training starts and the exact prompt texts, so a
-changed prompt format or model never reuses stale states.
+The cache key covers the model's weights id, the layer where training starts, the answer format and the exact input
+texts, so a changed prompt, format or model never reuses stale states.
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from calm_core.data import MCQuestion
-from calm_core.prompts import letter_prompt
 from calm_core.splits import ROLES, MaterializedSplit
-from training.top_layers import encode_prefix
+from training.answer_formats import AnswerFormat
 
 
 @dataclass
 class EncodedSet:
     label: str
     questions: list[MCQuestion]
-    hidden: list[torch.Tensor]
+    items: list  # per question, what the answer format encoded (hidden states entering the first trained layer)
     labels: torch.Tensor
     n_options: torch.Tensor
 
@@ -31,28 +30,34 @@ class EncodedSet:
         return len(self.questions)
 
 
-def _key(weights_id: str, first_trained: int, prompts: list[str]) -> str:
-    h = hashlib.sha256(f"{weights_id}|{first_trained}".encode())
-    for p in prompts:
+    @property
+    def width(self) -> int:
+        return int(self.n_options.max())
+
+
+def _key(weights_id: str, first_trained: int, fmt: str, texts: list[str]) -> str:
+    h = hashlib.sha256(f"{weights_id}|{first_trained}|{fmt}".encode())
+    for p in texts:
         h.update(p.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
 
 
 def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, weights_id: str, cache_dir: Path,
-                batch_size: int = 16) -> dict[str, dict[str, EncodedSet]]:
-    """Per role and source label, the encoded questions; computed once per (model, layer, prompts)."""
+                fmt: AnswerFormat, batch_size: int = 16) -> dict[str, dict[str, EncodedSet]]:
+    """Per role and source label, the encoded questions; computed once per (model, layer, format, inputs)."""
     sets = {role: {label: qs for label, qs in split.sources[role].items()} for role in ROLES}
-    prompts = {role: {label: [letter_prompt(tokenizer, q) for q in qs] for label, qs in d.items()} for role, d in sets.items()}
-    flat = [p for d in prompts.values() for ps in d.values() for p in ps]
+    flat = [q for d in sets.values() for qs in d.values() for q in qs]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    path = cache_dir / f"prefix-{_key(weights_id, first_trained, flat)}.pt"
+    key = _key(weights_id, first_trained, fmt.name, [fmt.fingerprint(tokenizer, q) for q in flat])
+    path = cache_dir / f"prefix-{fmt.name}-{key}.pt"
     if path.is_file():
-        hidden = torch.load(path)
+        hidden = torch.load(path, weights_only=False)
     else:
-        with Progress(TextColumn("encoding frozen layers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()) as bar:
+        with Progress(TextColumn(f"encoding frozen layers ({fmt.name})"), BarColumn(), MofNCompleteColumn(),
+                      TimeRemainingColumn()) as bar:
             task = bar.add_task("encode", total=len(flat))
-            hidden = encode_prefix(model, tokenizer, flat, first_trained, batch_size, lambda n: bar.advance(task, n))
+            hidden = fmt.encode(model, tokenizer, flat, first_trained, batch_size, lambda n: bar.advance(task, n))
         tmp = path.with_suffix(".tmp")
         torch.save(hidden, tmp)
         tmp.rename(path)
@@ -67,5 +72,5 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
 
 
 def concat(sets: list[EncodedSet], label: str) -> EncodedSet:
-    return EncodedSet(label, [q for s in sets for q in s.questions], [h for s in sets for h in s.hidden],
+    return EncodedSet(label, [q for s in sets for q in s.questions], [h for s in sets for h in s.items],
                       torch.cat([s.labels for s in sets]), torch.cat([s.n_options for s in sets]))

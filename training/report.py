@@ -25,9 +25,19 @@ from training.config import TrainConfig  # noqa: E402
 from training.posthoc import fit_temperature, fit_vector_scaling  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
-TRAINED = ("sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar")
+# Row name -> config overrides of the trained methods; CALM's upper level is reported with both entropies.
+TRAINED = {
+    "sft": {"method": "sft"},
+    "label_smoothing": {"method": "label_smoothing"},
+    "cft": {"method": "cft"},
+    "regularization": {"method": "regularization"},
+    "iterate": {"method": "iterate"},
+    "calm": {"method": "calm", "entropy_over": "options"},
+    "calm_vocab_entropy": {"method": "calm", "entropy_over": "vocab"},
+    "calm_scalar": {"method": "calm_scalar", "entropy_over": "options"},
+}
 ROWS = ("uncalibrated", "sft", "sft+temperature", "sft+vector_scaling", "label_smoothing", "cft", "regularization",
-        "iterate", "calm_scalar", "calm")
+        "iterate", "calm_scalar", "calm_vocab_entropy", "calm")
 METRICS = ("accuracy", "ece_10", "ece_15", "classwise_ece", "brier", "nll", "auroc", "aurc")
 ROLES = (("test_in_domain", "in_domain"), ("test_out_of_domain", "out_of_domain"))
 
@@ -60,19 +70,21 @@ def _role_metrics(trainer: Trainer, probs_of) -> tuple[dict, dict]:
 def _posthoc_rows(trainer: Trainer) -> dict[str, tuple[dict, dict]]:
     """Temperature and vector scaling on top of the trained SFT model, fitted on labelled calibration questions."""
     val = trainer.calib_set
-    z_val = trainer.raw_logits(val)
+    z_val = trainer.option_logits(val)  # SFT never trains α: these are the raw option logits
     width = z_val.shape[1]
     t = fit_temperature(z_val, val.labels.numpy(), val.n_options.numpy())
     d, l = fit_vector_scaling(z_val, val.labels.numpy(), val.n_options.numpy())
 
-    def scaled(scale, shift):
+    def scaled(scale: np.ndarray, shift: np.ndarray):
         def probs_of(data):
-            z = trainer.raw_logits(data)
-            k = int(data.n_options.max())
-            return option_probs((z * scale + shift)[:, :k], data.n_options.numpy())
+            z = trainer.option_logits(data)
+            k = z.shape[1]
+            # Option slots the validation questions never had (5-way CommonsenseQA after 4-way ARC) get the mean fit.
+            fill = lambda v: np.concatenate([v[:k], np.full(max(k - len(v), 0), v.mean())])  # noqa: E731
+            return option_probs(z * fill(scale) + fill(shift), data.n_options.numpy())
         return probs_of
 
-    rows = {"sft+temperature": _role_metrics(trainer, scaled(1.0 / t, 0.0)),
+    rows = {"sft+temperature": _role_metrics(trainer, scaled(np.array([1.0 / t]), np.zeros(1))),
             "sft+vector_scaling": _role_metrics(trainer, scaled(d[:width], l[:width]))}
     rows["sft+temperature"][0]["fitted_temperature"] = t
     return rows
@@ -84,8 +96,8 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
     curves: dict[str, list[dict]] = {}
     pooled_first: dict[str, tuple] = {}
     for seed in seeds:
-        for method in TRAINED:
-            cfg = base.model_copy(update={"method": method, "seed": seed, "out_dir": str(out / "runs" / f"{method}-s{seed}"),
+        for method, overrides in TRAINED.items():
+            cfg = base.model_copy(update={**overrides, "seed": seed, "out_dir": str(out / "runs" / f"{method}-s{seed}"),
                                           **({"steps": steps} if steps else {})})
             cfg = TrainConfig.model_validate(cfg.model_dump())  # re-run validators (calm_scalar -> scalar head)
             trainer = Trainer(cfg).setup()
@@ -134,7 +146,8 @@ def _aggregate(results: dict[str, dict[int, dict]]) -> dict:
 def markdown(summary: dict) -> str:
     cfg = summary["config"]
     lines = [f"# CALM report: {cfg['split']}, {len(summary['seeds'])} seed(s) {summary['seeds']}, {summary['steps']} steps, "
-             f"batch {cfg['batch_size']}, LoRA r={cfg['lora_rank']} on the top {cfg['lora_top_layers']} layers", ""]
+             f"batch {cfg['batch_size']}, LoRA r={cfg['lora_rank']} on the top {cfg['lora_top_layers']} layers, "
+             f"{cfg.get('answer_format', 'letter')} answer format", ""]
     for _, name in ROLES:
         lines += [f"## {name.replace('_', '-')} (mean over its test sets; ± std over seeds)", "",
                   "| method | " + " | ".join(METRICS) + " |", "|---|" + "---|" * len(METRICS)]
@@ -149,7 +162,7 @@ def markdown(summary: dict) -> str:
 
 def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
     keys = (("g", "lower level g (train CE)"), ("entropy", "calibration entropy (nats)"), ("lambda", "BOME λ"),
-            ("alpha_scale_mean", "mean d over answer letters"))
+            ("alpha_scale_mean", "mean d over answer tokens"))
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
     colors = {method: f"C{i}" for i, method in enumerate(curves)}  # one colour per method across panels
     for ax, (key, title) in zip(axes, keys):

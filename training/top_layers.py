@@ -37,9 +37,15 @@ def _run_layers(stack, layers, hidden: torch.Tensor, mask: torch.Tensor) -> torc
     position_ids = _positions(mask)
     causal = create_causal_mask(config=stack.config, inputs_embeds=hidden, attention_mask=mask,
                                 past_key_values=None, position_ids=position_ids)
+    return run_layers_masked(stack, layers, hidden, causal, position_ids)
+
+
+def run_layers_masked(stack, layers, hidden: torch.Tensor, mask4d: torch.Tensor | None,
+                      position_ids: torch.Tensor) -> torch.Tensor:
+    """Decoder layers under an explicit attention mask (None, or (B, 1, T, T) with True = attend) and position ids."""
     position_embeddings = stack.rotary_emb(hidden, position_ids=position_ids)
     for layer in layers:
-        hidden = layer(hidden, attention_mask=causal, position_embeddings=position_embeddings, position_ids=position_ids)
+        hidden = layer(hidden, attention_mask=mask4d, position_embeddings=position_embeddings, position_ids=position_ids)
     return hidden
 
 

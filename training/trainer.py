@@ -27,29 +27,35 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calm_core.alpha_head import option_probs
 from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
+from calm_core.errors import ConfigError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.paths import calm_home
-from calm_core.prompts import letter_token_ids
 from calm_core.splits import load_split, materialize
 from training.alpha_params import AlphaParams
+from training.answer_formats import answer_format
 from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.bome import bome_direction
 from training.config import TrainConfig
 from training.features import EncodedSet, concat, encode_sets
 from training.objectives import cft_gap, cross_entropy, entropy, mask_options
 from training.scoring import load_causal_lm, load_tokenizer
-from training.top_layers import collate, last_logits
 
 log = logging.getLogger("calm.train")
 CHECKPOINT = "checkpoint.pt"
+# What may differ between a checkpoint and the run that resumes it: running longer or logging differently.
+RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "out_dir"}
 
 
 @dataclass
 class Batch:
-    hidden: list[torch.Tensor]
+    items: list  # encoded questions, as the answer format made them
     labels: torch.Tensor
     n_options: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.n_options.max())
 
 
 class BatchStream:
@@ -67,7 +73,7 @@ class BatchStream:
             self.epoch, self.pos = self.epoch + 1, 0
         idx = self._perm()[self.pos : self.pos + self.batch_size].tolist()
         self.pos += self.batch_size
-        return Batch([self.data.hidden[i] for i in idx], self.data.labels[idx], self.data.n_options[idx])
+        return Batch([self.data.items[i] for i in idx], self.data.labels[idx], self.data.n_options[idx])
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos}
@@ -101,12 +107,13 @@ class Trainer:
         self.model = self._lora_model(load_causal_lm(self.resolved.path)).to(self.device)
         self.first_trained = self.model.get_base_model().config.num_hidden_layers - cfg.lora_top_layers
         self.split = materialize(load_split(cfg.split))
+        self.fmt = answer_format(cfg.answer_format, self.tokenizer)
         self.sets = encode_sets(self.model, self.tokenizer, self.split, self.first_trained,
-                                model_weights_sha256(self.resolved), calm_home() / "cache", cfg.encode_batch_size)
+                                model_weights_sha256(self.resolved), calm_home() / "cache", self.fmt,
+                                cfg.encode_batch_size)
         self.train_set = concat(list(self.sets["train"].values()), "train")
         self.calib_set = concat(list(self.sets["calibration"].values()), "calibration")
-        k_max = int(max(s.n_options.max() for d in self.sets.values() for s in d.values()))
-        self.letter_ids = torch.tensor(letter_token_ids(self.tokenizer)[:k_max], device=self.device)
+        self.tracked_tokens = self.fmt.tracked_tokens(self.train_set.items).to(self.device)
         self.vocab_size = int(self.model.get_base_model().config.vocab_size)
         self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar").to(self.device)
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
@@ -129,26 +136,25 @@ class Trainer:
         return get_peft_model(model, lora)
 
     # -- forward pieces --------------------------------------------------------------------------------------------
-    def letter_logits(self, hidden: list[torch.Tensor]) -> torch.Tensor:
-        """Raw answer-position logits of the option letters, (B, K_max)."""
-        return last_logits(self.model, collate(hidden).to(self.device), self.first_trained, self.letter_ids)
+    def forward(self, batch: Batch):
+        """The trained top layers on a batch, before α (what the answer format needs to apply α afterwards)."""
+        return self.fmt.forward(self.model, batch.items, self.first_trained, batch.width, self.device)
 
-    def calibrated(self, z: torch.Tensor, n_options: torch.Tensor) -> torch.Tensor:
-        d, l = self.alpha.rows(self.letter_ids)
-        return mask_options(z * d + l, n_options)
+    def calibrated(self, raw, batch: Batch) -> torch.Tensor:
+        """(B, width) calibrated option logits, -inf past each question's options."""
+        return mask_options(self.fmt.option_logits(raw, self.alpha), batch.n_options.to(self.device))
 
-    def g(self, batch: Batch, z: torch.Tensor | None = None) -> torch.Tensor:
+    def g(self, batch: Batch, raw=None) -> torch.Tensor:
         """Lower level: CE of the gold option under the calibrated distribution."""
-        z = self.letter_logits(batch.hidden) if z is None else z
-        return cross_entropy(self.calibrated(z, batch.n_options.to(self.device)), batch.labels.to(self.device))
+        raw = self.forward(batch) if raw is None else raw
+        return cross_entropy(self.calibrated(raw, batch), batch.labels.to(self.device))
 
     def f(self, batch: Batch) -> torch.Tensor:
         """Upper level: minus the mean predictive entropy on unlabelled calibration questions."""
+        raw = self.forward(batch)
         if self.cfg.entropy_over == "vocab":
-            logits = last_logits(self.model, collate(batch.hidden).to(self.device), self.first_trained)
-            d, l = self.alpha.full()
-            return -entropy(logits * d + l).mean()
-        return -entropy(self.calibrated(self.letter_logits(batch.hidden), batch.n_options.to(self.device))).mean()
+            return -self.fmt.token_entropy(raw, self.alpha).mean()
+        return -entropy(self.calibrated(raw, batch)).mean()
 
     # -- one step per method -----------------------------------------------------------------------------------------
     def _apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
@@ -160,8 +166,7 @@ class Trainer:
 
     def step_sft(self, smoothing: float = 0.0) -> dict:
         batch = self.train_stream.next()
-        z = self.letter_logits(batch.hidden)
-        logits = mask_options(z, batch.n_options.to(self.device))
+        logits = self.calibrated(self.forward(batch), batch)  # α stays the identity: it is not optimised here
         loss = cross_entropy(logits, batch.labels.to(self.device), smoothing)
         if self.cfg.method == "cft":
             loss = loss + self.cfg.cft_weight * cft_gap(logits, self.cft_bins)
@@ -210,8 +215,8 @@ class Trainer:
                 for p, gr in zip(self.theta, inner):
                     p -= cfg.inner_lr * gr
         with torch.no_grad():  # θ̃ is detached: only α's gradient flows through g(α, θ̃)
-            z_tilde = self.letter_logits(train.hidden)
-        g_tilde = self.g(train, z_tilde)
+            raw_tilde = self.forward(train)
+        g_tilde = self.g(train, raw_tilde)
         g_alpha_tilde = torch.autograd.grad(g_tilde, alpha)
         with torch.no_grad():
             for p, s in zip(self.theta, saved):
@@ -243,7 +248,7 @@ class Trainer:
                 record = step_fn()
                 self.step += 1
                 record.update(step=self.step, seconds=time.perf_counter() - start,
-                              alpha_scale_mean=float(self.alpha.rows(self.letter_ids)[0].mean()))
+                              alpha_scale_mean=float(self.alpha.rows(self.tracked_tokens)[0].detach().mean()))
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     record.update({f"val_{k}": v for k, v in self.quick_eval().items()})
                 self.history.append(record)
@@ -256,24 +261,24 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def raw_logits(self, data: EncodedSet, batch_size: int = 32) -> np.ndarray:
-        """Letter logits of a whole set under the current θ; memoised per step (evaluation and export share it)."""
+    def option_logits(self, data: EncodedSet, batch_size: int = 32) -> np.ndarray:
+        """(N, width) calibrated option logits of a whole set under the current θ and α; memoised per step
+        (evaluation, post-hoc fits and export share it)."""
         if self._memo_step != self.step:
             self._memo_step, self._memo = self.step, {}
         if id(data) not in self._memo:
-            order = sorted(range(len(data)), key=lambda i: data.hidden[i].shape[0])  # little padding per batch
-            z = torch.empty(len(data), len(self.letter_ids), dtype=torch.float64)
+            order = sorted(range(len(data)), key=lambda i: len(data.items[i]))  # little padding per batch
+            z = torch.empty(len(data), data.width, dtype=torch.float64)
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                z[idx] = self.letter_logits([data.hidden[i] for i in idx]).double().cpu()
+                batch = Batch([data.items[i] for i in idx], data.labels[idx], data.n_options[idx])
+                raw = self.fmt.forward(self.model, batch.items, self.first_trained, data.width, self.device)
+                z[idx] = self.fmt.option_logits(raw, self.alpha).double().cpu()
             self._memo[id(data)] = z.numpy()
         return self._memo[id(data)]
 
-    def probs(self, data: EncodedSet, z: np.ndarray | None = None) -> np.ndarray:
-        z = self.raw_logits(data) if z is None else z
-        width = int(data.n_options.max())
-        d, l = (t.detach().double().cpu().numpy() for t in self.alpha.rows(self.letter_ids))
-        return option_probs((z * d + l)[:, :width], data.n_options.numpy())
+    def probs(self, data: EncodedSet) -> np.ndarray:
+        return option_probs(self.option_logits(data), data.n_options.numpy())
 
     def quick_eval(self) -> dict:
         data = self.calib_set
@@ -311,8 +316,12 @@ class Trainer:
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=False)
-        if state["config"] != self.cfg.model_dump():
-            changed = [k for k in state["config"] if state["config"][k] != self.cfg.model_dump().get(k)]
+        now = self.cfg.model_dump()
+        changed = sorted(k for k in set(state["config"]) | set(now) if state["config"].get(k) != now.get(k))
+        if set(changed) - RESUMABLE_CHANGES:
+            raise ConfigError(f"{path} was written by a different configuration ({', '.join(changed)}); "
+                              "use another out_dir or --no-resume")
+        if changed:
             log.warning("resuming with a changed config (%s)", ", ".join(changed))
         with torch.no_grad():
             for p, saved in zip(self.theta, state["theta"]):
@@ -341,7 +350,8 @@ class Trainer:
         with tempfile.TemporaryDirectory() as tmp:
             self.model.save_pretrained(tmp)
             save_artifact(path, self.alpha.to_head(), base_model=base, tokenizer=tok, method=self.cfg.method,
-                          training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp)
+                          training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp,
+                          answer_format=self.cfg.answer_format)
         (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         if merged:
             self.write_merged(self.out / "merged")

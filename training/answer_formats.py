@@ -1,0 +1,118 @@
+"""How a multiple-choice question becomes a distribution over its options, for training and evaluation.
+
+Two formats share one interface, so the trainer, its objectives and the report do not know which is in use:
+
+    letter  the options listed in the prompt, the answer is one letter; option logits are the calibrated logits of
+            the letters A, B, ... at the answer position. (At 135M parameters this stays at chance.)
+    cloze   the question alone, each option scored by the length-normalised log-likelihood of its text under the
+            calibrated full-vocabulary distribution (training/cloze.py).
+
+`forward` runs the trained top layers (gradients flow to θ); `option_logits` and `token_entropy` apply α to what
+forward returned, so the CALM step can reuse one detached forward at θ̃ with gradients flowing only to α.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from calm_core.data import MCQuestion
+from calm_core.prompts import cloze_option, cloze_prompt, letter_prompt, letter_token_ids
+from training.alpha_params import AlphaParams
+from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
+from training.objectives import entropy
+from training.top_layers import collate, encode_prefix, last_logits
+
+FormatName = Literal["letter", "cloze"]
+
+
+class AnswerFormat(Protocol):
+    name: str
+
+    def fingerprint(self, tokenizer, q: MCQuestion) -> str:
+        """Text that fully determines the encoded input (the encoding cache key)."""
+        ...
+
+    def encode(self, model, tokenizer, questions: list[MCQuestion], first_trained: int, batch_size: int,
+               progress=None) -> list: ...
+
+    def forward(self, model, items: list, first_trained: int, width: int, device): ...
+
+    def option_logits(self, raw, alpha: AlphaParams) -> torch.Tensor:
+        """(B, width) calibrated option logits; slots past a question's option count are meaningless (mask them)."""
+        ...
+
+    def token_entropy(self, raw, alpha: AlphaParams) -> torch.Tensor:
+        """(B,) entropy of the calibrated full-vocabulary distribution at the answer token(s)."""
+        ...
+
+    def tracked_tokens(self, items: list) -> torch.Tensor:
+        """Token ids whose mean scale d is logged during training."""
+        ...
+
+
+@dataclass
+class LetterLogits:
+    logits: torch.Tensor  # (B, V) raw logits at the answer position
+    width: int  # option slots to return
+
+
+class LetterFormat:
+    name = "letter"
+
+    def __init__(self, tokenizer):
+        self.letter_ids = torch.tensor(letter_token_ids(tokenizer))
+
+    def fingerprint(self, tokenizer, q: MCQuestion) -> str:
+        return letter_prompt(tokenizer, q)
+
+    def encode(self, model, tokenizer, questions, first_trained, batch_size, progress=None) -> list[torch.Tensor]:
+        prompts = [letter_prompt(tokenizer, q) for q in questions]
+        return encode_prefix(model, tokenizer, prompts, first_trained, batch_size, progress)
+
+    def forward(self, model, items: list[torch.Tensor], first_trained: int, width: int, device) -> LetterLogits:
+        return LetterLogits(last_logits(model, collate(items).to(device), first_trained), width)
+
+    def option_logits(self, raw: LetterLogits, alpha: AlphaParams) -> torch.Tensor:
+        ids = self.letter_ids[: raw.width].to(raw.logits.device)
+        d, l = alpha.rows(ids)
+        return raw.logits[:, ids] * d + l
+
+    def token_entropy(self, raw: LetterLogits, alpha: AlphaParams) -> torch.Tensor:
+        d, l = alpha.full()
+        return entropy(raw.logits * d + l)
+
+    def tracked_tokens(self, items) -> torch.Tensor:
+        return self.letter_ids
+
+
+class ClozeFormat:
+    name = "cloze"
+
+    def fingerprint(self, tokenizer, q: MCQuestion) -> str:
+        return "\0".join([cloze_prompt(q), *(cloze_option(c) for c in q.choices)])
+
+    def encode(self, model, tokenizer, questions, first_trained, batch_size, progress=None) -> list[PackedQuestion]:
+        items = [pack_question(tokenizer, q) for q in questions]
+        encode_packed(model, items, first_trained, batch_size, progress)
+        return items
+
+    def forward(self, model, items: list[PackedQuestion], first_trained: int, width: int, device):
+        return token_logits(model, items, first_trained, width, device)
+
+    def option_logits(self, raw, alpha: AlphaParams) -> torch.Tensor:
+        d, l = alpha.full()
+        return option_scores(raw, d, l)
+
+    def token_entropy(self, raw, alpha: AlphaParams) -> torch.Tensor:
+        d, l = alpha.full()
+        return token_entropy(raw, d, l)
+
+    def tracked_tokens(self, items: list[PackedQuestion]) -> torch.Tensor:
+        return torch.unique(torch.cat([q.targets for q in items]))
+
+
+def answer_format(name: FormatName, tokenizer) -> AnswerFormat:
+    return LetterFormat(tokenizer) if name == "letter" else ClozeFormat()
