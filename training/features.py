@@ -52,20 +52,20 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
     key = _key(weights_id, first_trained, fmt.name, [fmt.fingerprint(tokenizer, q) for q in flat])
     path = cache_dir / f"prefix-{fmt.name}-{key}.pt"
     if path.is_file():
-        hidden = torch.load(path, weights_only=False)
+        items = torch.load(path, weights_only=False)
     else:
         with Progress(TextColumn(f"encoding frozen layers ({fmt.name})"), BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn()) as bar:
             task = bar.add_task("encode", total=len(flat))
-            hidden = fmt.encode(model, tokenizer, flat, first_trained, batch_size, lambda n: bar.advance(task, n))
+            items = fmt.encode(model, tokenizer, flat, first_trained, batch_size, lambda n: bar.advance(task, n))
         tmp = path.with_suffix(".tmp")
-        torch.save(hidden, tmp)
+        torch.save(items, tmp)
         tmp.rename(path)
     out, i = {}, 0
     for role, d in sets.items():
         out[role] = {}
         for label, qs in d.items():
-            out[role][label] = EncodedSet(label, qs, hidden[i : i + len(qs)], torch.tensor([q.answer for q in qs]),
+            out[role][label] = EncodedSet(label, qs, items[i : i + len(qs)], torch.tensor([q.answer for q in qs]),
                                           torch.tensor([q.n_options for q in qs]))
             i += len(qs)
     return out

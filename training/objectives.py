@@ -1,7 +1,7 @@
 """Losses over the answer distribution, pure torch.
 
-`logits` are the calibrated answer-position logits restricted to the option letters, (B, K_max), with `-inf`
-where a question has fewer options; `labels` are gold option indices.
+`logits` are calibrated option logits, (B, K_max) (letter logits or cloze option scores, see answer_formats.py),
+with `-inf` where a question has fewer options; `labels` are gold option indices.
 """
 
 from __future__ import annotations

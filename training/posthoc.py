@@ -1,6 +1,6 @@
 """Post-hoc calibration baselines fitted on labelled validation logits: temperature scaling (one scalar) and vector
-scaling (a scale and a shift per option letter). Both are α heads restricted to the answer letters, so they reuse the
-fine-tuned model's logits instead of retraining."""
+scaling (a scale and a shift per option slot). Both act on the fine-tuned model's option logits (letter logits or cloze
+option scores), so they reuse them instead of retraining."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def fit_temperature(z: np.ndarray, labels: np.ndarray, n_options: np.ndarray) ->
 
 
 def fit_vector_scaling(z: np.ndarray, labels: np.ndarray, n_options: np.ndarray, l2: float = 1e-3) -> tuple[np.ndarray, np.ndarray]:
-    """(d, l) per option letter minimising validation NLL of softmax(d ⊙ z + l), lightly L2-regularised towards
-    identity so letters rarely seen as answers stay put."""
+    """(d, l) per option slot minimising validation NLL of softmax(d ⊙ z + l), lightly L2-regularised towards
+    identity so slots rarely seen as answers stay put."""
     zt, yt, nt = torch.tensor(z), torch.tensor(labels), torch.tensor(n_options)
     s = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)
     l = torch.zeros(z.shape[1], dtype=torch.float64, requires_grad=True)

@@ -271,8 +271,8 @@ class Trainer:
             z = torch.empty(len(data), data.width, dtype=torch.float64)
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
-                batch = Batch([data.items[i] for i in idx], data.labels[idx], data.n_options[idx])
-                raw = self.fmt.forward(self.model, batch.items, self.first_trained, data.width, self.device)
+                raw = self.fmt.forward(self.model, [data.items[i] for i in idx], self.first_trained, data.width,
+                                       self.device)
                 z[idx] = self.fmt.option_logits(raw, self.alpha).double().cpu()
             self._memo[id(data)] = z.numpy()
         return self._memo[id(data)]
