@@ -75,17 +75,10 @@ def packed_mask(segment: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-@dataclass
-class PackedBatch:
-    hidden: torch.Tensor  # (B, T, H) right-padded
-    segment: torch.Tensor  # (B, T), PAD_SEGMENT on padding
-    positions: torch.Tensor  # (B, T)
-
-
-def _pad(items: list[PackedQuestion], rows: list[torch.Tensor], fill, dtype=None) -> torch.Tensor:
+def _pad(items: list[PackedQuestion], rows: list[torch.Tensor], fill) -> torch.Tensor:
     length = max(len(q) for q in items)
     first = rows[0]
-    out = first.new_full((len(items), length, *first.shape[1:]), fill, dtype=dtype or first.dtype)
+    out = first.new_full((len(items), length, *first.shape[1:]), fill)
     for i, r in enumerate(rows):
         out[i, : r.shape[0]] = r
     return out
@@ -134,20 +127,21 @@ def token_logits(model, items: list[PackedQuestion], first_trained: int, width: 
     return TokenLogits(logits, torch.cat([q.targets for q in items]).to(device), slot, len(items), width)
 
 
+def _mean_by(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Mean of `values` per group index; groups without values are 0."""
+    sums = values.new_zeros(n_groups).index_add(0, group, values)
+    counts = values.new_zeros(n_groups).index_add(0, group, torch.ones_like(values))
+    return sums / counts.clamp(min=1)
+
+
 def option_scores(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(B, width) mean calibrated log-likelihood of each option's tokens; slots without an option are 0 (mask them)."""
     logp = torch.log_softmax(raw.logits * scale + shift, -1).gather(1, raw.targets[:, None]).squeeze(1)
-    n = raw.rows * raw.width
-    sums = logp.new_zeros(n).index_add(0, raw.slot, logp)
-    counts = logp.new_zeros(n).index_add(0, raw.slot, torch.ones_like(logp))
-    return (sums / counts.clamp(min=1)).view(raw.rows, raw.width)
+    return _mean_by(logp, raw.slot, raw.rows * raw.width).view(raw.rows, raw.width)
 
 
 def token_entropy(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(B,) mean Shannon entropy (nats) of the calibrated full-vocabulary distribution at each question's option tokens."""
     logp = torch.log_softmax(raw.logits * scale + shift, -1)
     per_position = -(logp.exp() * logp).sum(-1)
-    row = torch.div(raw.slot, raw.width, rounding_mode="floor")
-    sums = per_position.new_zeros(raw.rows).index_add(0, row, per_position)
-    counts = per_position.new_zeros(raw.rows).index_add(0, row, torch.ones_like(per_position))
-    return sums / counts.clamp(min=1)
+    return _mean_by(per_position, torch.div(raw.slot, raw.width, rounding_mode="floor"), raw.rows)
