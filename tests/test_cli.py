@@ -69,6 +69,13 @@ def test_mismatched_alpha_head_is_refused(tmp_path, embedded_model_dir):
 
 
 @pytest.mark.slow
+def test_eval_refuses_an_artifact_it_cannot_score(tmp_path, embedded_model_dir, shipped_artifact):
+    """`calm eval` scores letters on the base weights: the shipped cloze + LoRA artifact is refused, not misreported."""
+    proc = run_calm("eval", "-d", "arc_easy", "--limit", "4", "--artifact", str(shipped_artifact.path), "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "is fitted on cloze scoring with a LoRA adapter")
+
+
+@pytest.mark.slow
 def test_eval_writes_report_and_identity_head_changes_nothing(tmp_path, embedded_model_dir, shared_data):
     assert run_calm("artifact", "identity", "--no-reference", "--out", str(tmp_path / "id")).returncode == 0
     base = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--out", str(tmp_path / "plain"))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import load_artifact
+from calm_core.errors import ConfigError
 from calm_core.data import MCQuestion, default_split, load_mc
 from calm_core.hashing import vocab_sha256
 from calm_core.metrics import calibration_report, top_label
@@ -73,6 +74,13 @@ def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
             expect_vocab_size=output_vocab_size(resolved.path),
             expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()),
         )
+        if loaded.manifest.answer_format != "letter" or loaded.manifest.has_adapter:
+            # This scorer applies a bare head to answer-letter logits of the base model; anything else would be
+            # numbers for a model nobody serves.
+            raise ConfigError(f"`calm eval` scores the letter format on the base weights; artifact "
+                              f"{loaded.manifest.artifact_version} is fitted on {loaded.manifest.answer_format} scoring"
+                              f"{' with a LoRA adapter' if loaded.manifest.has_adapter else ''}: its numbers are in its "
+                              "manifest (`calm artifact show`) and in `calm report`")
         head, artifact_version = loaded.head, loaded.manifest.artifact_version
     model = load_causal_lm(resolved.path, cfg.dtype)
 
