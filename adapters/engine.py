@@ -1,7 +1,8 @@
 """The engine-facing contract the gateway depends on, independent of where vLLM runs.
 
-Requests carry a rendered prompt (the gateway applies the chat template) and what to return: the log-probs of given
-option tokens at the first position (multiple choice) or the top-k log-probs of each generated token (free form).
+Requests carry a rendered prompt (the gateway applies the chat template) or its token ids, and what to return: the
+log-probs of given tokens at the first position (multiple choice: answer letters, or the next token of an option's text
+when options are scored by cloze) or the top-k log-probs of each generated token (free form).
 All log-probs are the engine's calibrated ones (α head applied inside vLLM).
 """
 
@@ -30,8 +31,11 @@ class EngineRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0  # top-k calibrated log-probs per generated token (free form)
-    option_token_ids: tuple[int, ...] = ()  # multiple choice: restrict output to these, return their log-probs
+    option_token_ids: tuple[int, ...] = ()  # return these tokens' log-probs at the first position
+    restrict_to_options: bool = True  # ... and sample only among them (letter answers); False when scoring a continuation
     calibrated: bool = True  # False: the raw model's numbers (α head skipped for this request)
+    prompt_token_ids: tuple[int, ...] = ()  # when set, the prompt as token ids (then `prompt` is not tokenized)
+    adapter: bool = False  # run with the artifact's LoRA adapter (engines serving one); else the base weights
 
 
 @dataclass

@@ -30,15 +30,28 @@ class InProcessVLLMEngine:
         self.model_name = config.served_model_name
         self.artifact_version = load_artifact(config.artifact_path).manifest.artifact_version
         self.max_model_len = config.max_model_len
-        self._engine = None
+        self._engines: dict[bool, object] = {}  # adapter? -> AsyncLLM
 
     async def start(self) -> None:
+        """One engine on the base weights and, when the artifact has an adapter, one on base + adapter merged.
+
+        Two engines rather than vLLM's per-request LoRA: on CPU vLLM's LoRA path runs as plain PyTorch ops over every
+        layer and made cloze scoring about 6x slower (benchmarks/bench_cloze_serving.py); merged weights cost nothing
+        per token. The price is a second copy of the (small) weights and KV cache.
+        """
         os.environ.update(self.config.env())  # read by the logits processor in the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**self.config.engine_kwargs(), disable_log_stats=True)
-        self._engine = AsyncLLM.from_engine_args(args)
+        paths = {False: self.config.model_path}
+        if self.config.merged_model_path:
+            paths[True] = self.config.merged_model_path
+        for adapted, path in paths.items():
+            args = AsyncEngineArgs(**self.config.engine_kwargs(path), disable_log_stats=True)
+            self._engines[adapted] = AsyncLLM.from_engine_args(args)
+
+    def _engine_for(self, request: EngineRequest):
+        return self._engines.get(request.adapter) or self._engines.get(False)
 
     def _sampling_params(self, request: EngineRequest):
         from vllm import SamplingParams
@@ -54,8 +67,9 @@ class InProcessVLLMEngine:
             extra_args=None if request.calibrated else {OPT_OUT_KEY: False},
         )
         if request.option_token_ids:
-            kwargs.update(allowed_token_ids=list(request.option_token_ids),
-                          logprob_token_ids=list(request.option_token_ids))
+            kwargs.update(logprob_token_ids=list(request.option_token_ids))
+            if request.restrict_to_options:
+                kwargs.update(allowed_token_ids=list(request.option_token_ids))
         elif request.top_logprobs:
             kwargs.update(logprobs=request.top_logprobs)
         else:
@@ -63,7 +77,8 @@ class InProcessVLLMEngine:
         return SamplingParams(**kwargs)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        if self._engine is None or self._engine.errored:
+        engine = self._engine_for(request)
+        if engine is None or engine.errored:
             raise EngineUnavailable("the in-process vLLM engine is not running")
         try:
             params = self._sampling_params(request)
@@ -71,7 +86,8 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
         started = False
         try:
-            async for out in self._engine.generate(request.prompt, params, request.request_id):
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)} if request.prompt_token_ids else request.prompt
+            async for out in engine.generate(prompt, params, request.request_id):
                 yield _delta_from_output(out, started)
                 started = True
         except ValueError as e:
@@ -84,18 +100,19 @@ class InProcessVLLMEngine:
             raise
 
     async def abort(self, request_id: str) -> None:
-        if self._engine is not None:
-            await self._engine.abort(request_id)
+        for engine in self._engines.values():
+            await engine.abort(request_id)  # ids are unique, so aborting in the engine that lacks it is a no-op
 
     async def check_health(self) -> None:
-        if self._engine is None:
+        if not self._engines:
             raise EngineUnavailable("engine not started")
         try:
-            await self._engine.check_health()
+            for engine in self._engines.values():
+                await engine.check_health()
         except Exception as e:
             raise EngineUnavailable(f"engine unhealthy: {e}") from None
 
     async def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        for engine in self._engines.values():
+            engine.shutdown()
+        self._engines = {}

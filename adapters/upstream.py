@@ -23,7 +23,7 @@ def _token_id(token: str) -> int:
 
 def _payload(model: str, r: EngineRequest) -> dict:
     body = {
-        "model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": r.temperature,
+        "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt, "max_tokens": r.max_tokens, "temperature": r.temperature,
         "top_p": r.top_p, "stream": True, "stream_options": {"include_usage": True},
         "return_tokens_as_token_ids": True, "add_special_tokens": False,
     }
@@ -32,7 +32,8 @@ def _payload(model: str, r: EngineRequest) -> dict:
     if r.stop:
         body["stop"] = list(r.stop)
     if r.option_token_ids:
-        body["allowed_token_ids"] = list(r.option_token_ids)
+        if r.restrict_to_options:
+            body["allowed_token_ids"] = list(r.option_token_ids)
         body["logprob_token_ids"] = list(r.option_token_ids)
         body["logprobs"] = 0  # vLLM's HTTP layer insists on it with logprob_token_ids, then ignores it
     else:
@@ -60,11 +61,13 @@ def _delta(chunk: dict) -> EngineDelta:
 
 class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
-                 timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256):
+                 timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
+                 adapter_name: str | None = None):
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
         self.model_name = model_name
+        self.adapter_name = adapter_name  # the servers' name for the artifact's LoRA adapter (`calm engine` registers it)
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
@@ -80,7 +83,7 @@ class UpstreamVLLMEngine:
             raise EngineUnavailable("upstream client not started")
         url = self.urls[next(self._next)]
         try:
-            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(self.model_name, request)) as resp:
+            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(self.adapter_name if request.adapter and self.adapter_name else self.model_name, request)) as resp:
                 if resp.status_code == 400:
                     body = json.loads(await resp.aread() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 ARTIFACT_ENV = "CALM_ARTIFACT"
 OPT_OUT_KEY = "calm_alpha"
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
+ADAPTER_NAME = "calm-adapter"  # the artifact's LoRA adapter as the vLLM server names it (a model name over HTTP)
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,13 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2
     max_logprobs: int = 20
     seed: int = 0
+    adapter_path: str | None = None  # the artifact's LoRA adapter, applied per request (vLLM LoRA; the server's way)
+    adapter_rank: int = 0
+    merged_model_path: str | None = None  # base + adapter merged: a second engine for adapter requests (in-process)
+
+    @property
+    def max_lora_rank(self) -> int:
+        return next(r for r in LORA_RANKS if r >= self.adapter_rank)
 
     def env(self) -> dict[str, str]:
         """Environment the engine (and its worker processes) needs."""
@@ -29,9 +38,10 @@ class EngineConfig:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         }
 
-    def engine_kwargs(self) -> dict:
-        return dict(
-            model=self.model_path,
+    def engine_kwargs(self, model_path: str | None = None) -> dict:
+        lora = dict(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1) if self.adapter_path else {}
+        return dict(**lora,
+            model=model_path or self.model_path,
             served_model_name=[self.served_model_name],
             dtype=self.dtype,
             max_model_len=self.max_model_len,
@@ -59,4 +69,7 @@ class EngineConfig:
             "--host", host,
             "--port", str(port),
         ]
+        if self.adapter_path:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "1",
+                     "--lora-modules", f"{ADAPTER_NAME}={os.path.abspath(self.adapter_path)}"]
         return args + (["--logits-processors", LOGITS_PROCESSOR] if alpha else [])

@@ -102,7 +102,13 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
     direct_mc, gw_mc, gw_mc_noraw, direct_ff, gw_ff = workloads(tokenizer, args.requests)
-    settings = GatewaySettings()
+    # An identity letter-format head, so that the gateway and the direct calls score options the same way (the shipped
+    # artifact scores by cloze: benchmarks/bench_cloze_serving.py measures that path).
+    from training.artifacts import write_identity_artifact
+
+    identity = logs / "identity-artifact"
+    write_identity_artifact(identity, None, with_reference=False)
+    settings = GatewaySettings(artifact=str(identity))
     results: dict = {"requests_per_level": args.requests, "free_form_tokens": FREE_TOKENS, "cpus": os.cpu_count()}
 
     def engine(alpha: bool, port: int):
@@ -117,7 +123,7 @@ def main() -> None:
     direct_url = f"http://127.0.0.1:{e_port}/v1/completions"
     gw_url = f"http://127.0.0.1:{g_port}/v1/chat/completions"
     gw_env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([f"http://127.0.0.1:{e_port}"]),
-              "CALM_DB_PATH": str(args.out / "logs" / "bench.sqlite3")}
+              "CALM_DB_PATH": str(args.out / "logs" / "bench.sqlite3"), "CALM_ARTIFACT": str(identity)}
     with engine(True, e_port), running(calm_argv("serve", "--port", str(g_port)), f"http://127.0.0.1:{g_port}/health",
                                        logs / "gateway.log", env=gw_env):
         asyncio.run(load(make_sender(direct_url), direct_mc[:8], 8))  # warm-up

@@ -23,26 +23,22 @@ from calm_core.alpha_head import option_probs  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402
 from calm_core.metrics import calibration_report  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402
-from calm_core.prompts import cloze_option, cloze_prompt, render_chat  # noqa: E402
+from calm_core.prompts import ClozeTokens, cloze_option, cloze_prompt, render_chat  # noqa: E402
 from training import cloze  # noqa: E402
 from training.scoring import load_hf_model  # noqa: E402
 
 DATASETS = (("arc_easy", "test"), ("arc_challenge", "test"), ("openbookqa", "test"), ("commonsenseqa", "dev"))
 LAYOUTS = {
     "chat": (lambda tok, q: render_chat(tok, [{"role": "user", "content": q.question.strip()}]), lambda c: c.strip()),
-    "plain": (lambda tok, q: cloze_prompt(q), cloze_option),
+    "plain": (lambda tok, q: cloze_prompt(q.question), cloze_option),
 }
 
 
 def scores(model, tokenizer, questions, layout: str, width: int) -> dict[str, np.ndarray]:
     prompt_of, option_of = LAYOUTS[layout]
-    # pack_question reads the layout from calm_core.prompts; swap it in for this run only.
-    saved = cloze.cloze_prompt, cloze.cloze_option
-    cloze.cloze_prompt, cloze.cloze_option = (lambda q: prompt_of(tokenizer, q)), option_of
-    try:
-        items = [cloze.pack_question(tokenizer, q) for q in questions]
-    finally:
-        cloze.cloze_prompt, cloze.cloze_option = saved
+    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    items = [cloze.pack_question(ClozeTokens(encode(prompt_of(tokenizer, q)), tuple(encode(option_of(c)) for c in q.choices)))
+             for q in questions]
     first = model.config.num_hidden_layers
     cloze.encode_packed(model, items, first)
     out = {"mean": [], "sum": []}

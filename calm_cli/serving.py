@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -12,7 +11,6 @@ from calm_core.hashing import vocab_sha256
 from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
 from calm_core.paths import BUNDLED_DIR
 
-log = logging.getLogger("calm.serve")
 DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
 
 
@@ -33,15 +31,22 @@ def load_checked(model: ResolvedModel, artifact_path: Path):
     return tokenizer, artifact
 
 
-def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None):
+def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None, merged: bool = False):
+    """The base model and the α head as the logits processor; each request chooses base or adapted weights. The
+    artifact's LoRA adapter (if any) is served merged into a second in-process engine (`merged=True`) or as a vLLM
+    LoRA (the `calm engine` server)."""
     from adapters.merged_weights import merged_model_dir
     from adapters.vllm_common import EngineConfig
 
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
-    return EngineConfig(
-        model_path=str(merged_model_dir(model.path, artifact)), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
-        dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2,
-    )
+    adapter = artifact.adapter_dir
+    common = dict(model_path=str(model.path), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
+                  dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2)
+    if adapter is None:
+        return EngineConfig(**common)
+    if merged:
+        return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)))
+    return EngineConfig(**common, adapter_path=str(adapter), adapter_rank=artifact.adapter_rank)
 
 
 def build_gateway(settings):
@@ -52,21 +57,18 @@ def build_gateway(settings):
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
     tokenizer, artifact = load_checked(model, artifact_path)
-    if artifact.manifest.answer_format != "letter":
-        # Served anyway (its LoRA and α head still apply to every token), but the numbers should not be trusted blindly.
-        log.warning("artifact %s was calibrated on %s option scoring; the gateway's multiple-choice confidence is the "
-                    "probability of the answer letter, which this head was not fitted on",
-                    artifact.manifest.artifact_version, artifact.manifest.answer_format)
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 
-        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact))
+        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, merged=True))
     else:
         from adapters.upstream import UpstreamVLLMEngine
+        from adapters.vllm_common import ADAPTER_NAME
 
         engine = UpstreamVLLMEngine(
             settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version,
             settings.max_model_len, settings.upstream_timeout_s, settings.upstream_connect_timeout_s,
+            adapter_name=ADAPTER_NAME if artifact.manifest.has_adapter else None,
         )
     return create_app(settings, engine, tokenizer, artifact)
 

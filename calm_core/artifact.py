@@ -71,6 +71,9 @@ class ArtifactManifest(BaseModel):
     method: str = "identity"
     # How the head was fitted to multiple-choice answers: one letter token, or each option's text (cloze).
     answer_format: Literal["letter", "cloze"] = "letter"
+    # Which answers the weights and head were fitted for. A trained artifact is fitted on multiple-choice scoring only:
+    # free-form answers then come from the base model with its own probabilities (its LoRA and head are not applied).
+    applies_to: Literal["all", "multiple_choice"] = "all"
     metrics: dict[str, dict[str, float]] = {}
     reference_histograms: dict[str, ReferenceHistogram] = {}
     has_adapter: bool = False
@@ -94,6 +97,7 @@ def save_artifact(
     adapter_dir: str | Path | None = None,
     artifact_version: str | None = None,
     answer_format: str = "letter",
+    applies_to: str = "all",
 ) -> ArtifactManifest:
     """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""
     head.check_vocab(tokenizer.vocab_size)
@@ -112,6 +116,7 @@ def save_artifact(
             created_at=datetime.now(timezone.utc).isoformat(),
             method=method,
             answer_format=answer_format,
+            applies_to=applies_to,
             metrics=metrics or {},
             reference_histograms=reference_histograms or {},
             has_adapter=adapter_dir is not None,
@@ -135,6 +140,13 @@ class LoadedArtifact(BaseModel, arbitrary_types_allowed=True):
     @property
     def adapter_dir(self) -> Path | None:
         return self.path / ADAPTER_DIR if self.manifest.has_adapter else None
+
+    @property
+    def adapter_rank(self) -> int:
+        """The LoRA rank of the adapter (0 without one)."""
+        if self.adapter_dir is None:
+            return 0
+        return int(json.loads((self.adapter_dir / "adapter_config.json").read_text())["r"])
 
 
 def load_artifact(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import string
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
@@ -47,17 +48,35 @@ def letter_prompt(tokenizer: ChatTokenizer, q: MCQuestion) -> str:
     return render_chat(tokenizer, letter_messages(q))
 
 
-def cloze_prompt(q: MCQuestion) -> str:
+def cloze_prompt(question: str) -> str:
     """The question alone; each option is scored as the text that follows (`cloze_option`).
 
     Plain text, not the chat template: zero-shot on 200 questions each, SmolLM2-135M-Instruct chose better this way on
     average (0.33 vs 0.30 over ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA; better on ARC-Easy and OpenBookQA,
     worse on ARC-Challenge; benchmarks/cloze_formats.py)."""
-    return f"Question: {q.question.strip()}\nAnswer:"
+    return f"Question: {question.strip()}\nAnswer:"
 
 
 def cloze_option(choice: str) -> str:
     return " " + choice.strip()
+
+
+@dataclass(frozen=True)
+class ClozeTokens:
+    """Token ids of a cloze question: the prompt, and each option's text as it follows the prompt."""
+
+    prompt: tuple[int, ...]
+    options: tuple[tuple[int, ...], ...]
+
+
+def cloze_tokens(tokenizer, question: str, choices: Sequence[str]) -> ClozeTokens:
+    """Prompt and options tokenized apart, without special tokens: training and serving score exactly these ids."""
+    encode = lambda text: tuple(int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    options = tuple(encode(cloze_option(c)) for c in choices)
+    for k, tokens in enumerate(options):
+        if not tokens:
+            raise ModelError(f"option {k} has no tokens")
+    return ClozeTokens(encode(cloze_prompt(question)), options)
 
 
 def letter_token_ids(tokenizer) -> list[int]:
@@ -74,17 +93,40 @@ def letter_token_ids(tokenizer) -> list[int]:
 _OPTION_LINE = re.compile(r"^\s*\(?([A-M])[.):]\s+\S", re.MULTILINE)
 
 
+def _option_run(text: str) -> list[re.Match]:
+    """The option lines of the last complete run A, B, C, ... in the text (no gaps, at least two), else []."""
+    found: list[re.Match] = []
+    for match in _OPTION_LINE.finditer(text):
+        letter = match.group(1)
+        if len(found) < len(LETTERS) and letter == LETTERS[len(found)]:
+            found.append(match)
+        elif letter == "A":
+            found = [match]  # a later list restarts: the last complete run wins
+    return found if len(found) >= MIN_OPTIONS else []
+
+
 def detect_option_letters(text: str) -> tuple[str, ...] | None:
     """Letters of an options question written in the text ("A. ...", "B) ...", "(C) ..."), if it is one.
 
     The letters must run A, B, C, ... without gaps, at least two of them; otherwise the text is not treated as a
     multiple-choice question.
     """
-    found = []
-    for match in _OPTION_LINE.finditer(text):
-        letter = match.group(1)
-        if letter == LETTERS[len(found)] if len(found) < len(LETTERS) else False:
-            found.append(letter)
-        elif letter == "A":
-            found = ["A"]  # a later list restarts: the last complete run wins
-    return tuple(found) if len(found) >= MIN_OPTIONS else None
+    run = _option_run(text)
+    return tuple(m.group(1) for m in run) or None
+
+
+def parse_options_question(text: str) -> tuple[str, tuple[str, ...]] | None:
+    """(question, option texts) of an options question written in the text, as `detect_option_letters` finds it.
+
+    The question is the text before the first option line (without this project's own letter instruction); each
+    option is the rest of its line, so an instruction after the options ("Answer with a letter.") is not part of one.
+    """
+    run = _option_run(text)
+    if not run:
+        return None
+    question = text[: run[0].start()].strip()
+    if question.startswith(INSTRUCTION):
+        question = question[len(INSTRUCTION):].strip()
+    # Each match ends on the option's first non-space character.
+    choices = tuple(text[m.end() - 1 :].split("\n", 1)[0].strip() for m in run)
+    return question, choices

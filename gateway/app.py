@@ -20,7 +20,7 @@ from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
     ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard, ModelList, PolicyOut,
 )
-from gateway.serving import CalibratedService
+from gateway.serving import CalibratedService, ServedArtifact
 from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
@@ -52,7 +52,7 @@ def create_app(
 
     app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    service = CalibratedService(settings, engine, tokenizer, store, monitor)
+    service = CalibratedService(settings, engine, tokenizer, store, monitor, ServedArtifact.of(artifact.manifest))
     app.state.service = service
 
     def admin(authorization: str | None = Header(default=None)) -> str:

@@ -4,6 +4,10 @@ Multiple choice: the engine returns the calibrated log-prob of every option's an
 confidence is the chosen option's probability after renormalising over the options (softmax of d ⊙ z + l restricted
 to the option tokens). Entropy is that distribution's Shannon entropy (nats).
 
+Multiple choice by cloze (heads fitted with answer_format "cloze"): each option's score is the mean calibrated
+log-prob of its text's tokens after the question, log softmax(d ⊙ z + l)[y_t] with teacher forcing; the options'
+distribution is the softmax of the scores, as in training.
+
 Free form: confidence is the geometric mean of the generated tokens' calibrated probabilities,
 exp(mean_t log p(y_t | y_<t, x)) — length-normalised so long answers are not penalised for their length alone.
 Entropy is the mean over positions of the entropy of the renormalised top-k calibrated distribution (a lower bound
@@ -36,14 +40,24 @@ class OptionDistribution:
 
 def option_distribution(logprobs: dict[int, float], option_token_ids: Sequence[int], chosen_token: int | None = None) -> OptionDistribution:
     """Renormalise the options' log-probs; the chosen option is the sampled one, else the most probable."""
-    lp = np.array([logprobs.get(t, -math.inf) for t in option_token_ids], dtype=np.float64)
+    lp = [logprobs.get(t, -math.inf) for t in option_token_ids]
+    ids = list(option_token_ids)
+    return options_softmax(lp, ids.index(chosen_token) if chosen_token in ids else None)
+
+
+def options_softmax(scores: Sequence[float], chosen: int | None = None) -> OptionDistribution:
+    """softmax over the options' scores (log-probs, or cloze scores); without a chosen option, the most probable."""
+    lp = np.asarray(scores, dtype=np.float64)
     if not np.isfinite(lp).any():
-        raise ValueError("the engine returned no finite log-prob for any option token")
+        raise ValueError("the engine returned no finite log-prob for any option")
     lp = lp - lp.max()
     probs = np.exp(lp) / np.exp(lp).sum()
-    ids = list(option_token_ids)
-    chosen = ids.index(chosen_token) if chosen_token in ids else int(np.argmax(probs))
-    return OptionDistribution(probs, chosen)
+    return OptionDistribution(probs, int(np.argmax(probs)) if chosen is None else chosen)
+
+
+def cloze_scores(option_token_logprobs: Sequence[Sequence[float]]) -> np.ndarray:
+    """Each option's mean calibrated token log-prob (the score training fits the head on, training/cloze.py)."""
+    return np.array([float(np.mean(lps)) for lps in option_token_logprobs], dtype=np.float64)
 
 
 def sequence_confidence(token_logprobs: Sequence[float]) -> float:

@@ -1,26 +1,49 @@
-"""Turning OpenAI requests into engine prompts, and deciding multiple-choice vs free-form mode."""
+"""Turning OpenAI requests into engine prompts, and deciding multiple-choice vs free-form mode.
+
+A multiple-choice request (explicit `options`, or options written as "A. ..." lines in the prompt) is prompted the way
+the served head was fitted: the letter format under the chat template, or, for cloze heads, the question alone as
+`Question: ...\\nAnswer:` with each option's text scored after it. The cloze prompt is the last user message only
+(system messages and earlier turns are not part of what the head was fitted on).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from calm_core.prompts import LETTERS, detect_option_letters, letter_user_message, render_chat
+from calm_core.prompts import (
+    LETTERS, ClozeTokens, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
+    parse_options_question, render_chat,
+)
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+AnswerFormat = Literal["letter", "cloze"]
 
 
 @dataclass(frozen=True)
 class PreparedPrompt:
     text: str
     option_letters: tuple[str, ...] | None  # set in multiple-choice mode
+    cloze: ClozeTokens | None = None  # set when the options are scored by cloze
 
     @property
     def multiple_choice(self) -> bool:
         return self.option_letters is not None
 
 
-def prepare_chat(tokenizer, req: ChatCompletionRequest) -> PreparedPrompt:
+def _cloze(tokenizer, question: str, choices) -> PreparedPrompt:
+    return PreparedPrompt(cloze_prompt(question), LETTERS[: len(choices)], cloze_tokens(tokenizer, question, choices))
+
+
+def _options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, ...]] | None:
+    return (text, tuple(options)) if options else parse_options_question(text)
+
+
+def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormat = "letter") -> PreparedPrompt:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    if answer_format == "cloze" and (found := _options_of(messages[last_user]["content"], req.options)):
+        return _cloze(tokenizer, *found)
     letters = None
     if req.options:
         # The request lists options: the last user message is the question, formatted like the training prompts.
@@ -31,8 +54,10 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest) -> PreparedPrompt:
     return PreparedPrompt(render_chat(tokenizer, messages), letters)
 
 
-def prepare_completion(req: CompletionRequest) -> PreparedPrompt:
+def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormat = "letter") -> PreparedPrompt:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+    if answer_format == "cloze" and (found := _options_of(prompt, req.options)):
+        return _cloze(tokenizer, *found)
     if req.options:
         return PreparedPrompt(letter_user_message(prompt, req.options) + "\nAnswer: ", LETTERS[: len(req.options)])
     return PreparedPrompt(prompt, detect_option_letters(prompt))

@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from adapters.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate
-from calm_core.prompts import LETTERS, letter_token_ids
-from gateway.confidence import option_distribution, sequence_confidence, topk_entropy
+import numpy as np
+
+from calm_core.prompts import LETTERS, ClozeTokens, letter_token_ids
+from gateway.confidence import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError, sse_error
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, resolve
-from gateway.prompting import PreparedPrompt, prepare_chat, prepare_completion
+from gateway.prompting import AnswerFormat, PreparedPrompt, prepare_chat, prepare_completion
 from gateway.protocol import (
     Calibration, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
     CompletionRequest, CompletionResponse, OptionProbability, SamplingFields, UsageInfo,
@@ -46,6 +48,29 @@ class PolicyBook:
         return None, "builtin"
 
 
+@dataclass(frozen=True)
+class ServedArtifact:
+    """What the gateway needs to know about the served artifact to route a request through it."""
+
+    answer_format: AnswerFormat = "letter"  # how its head was fitted to multiple choice
+    multiple_choice_only: bool = False  # free-form answers then use the base weights without the head
+    has_adapter: bool = False
+
+    @classmethod
+    def of(cls, manifest) -> "ServedArtifact":
+        return cls(manifest.answer_format, manifest.applies_to == "multiple_choice", manifest.has_adapter)
+
+
+@dataclass
+class OptionChoice:
+    """A multiple-choice decision: the calibrated options' distribution, the raw one if asked, and the token counts."""
+
+    dist: OptionDistribution
+    raw_probs: np.ndarray | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
 @dataclass
 class Answer:
     """Everything a response needs, whatever its wire format."""
@@ -59,8 +84,10 @@ class Answer:
 
 
 class CalibratedService:
-    def __init__(self, settings: GatewaySettings, engine: EngineClient, tokenizer, store: Store, monitor: DomainMonitor):
+    def __init__(self, settings: GatewaySettings, engine: EngineClient, tokenizer, store: Store, monitor: DomainMonitor,
+                 artifact: ServedArtifact = ServedArtifact()):
         self.settings = settings
+        self.artifact = artifact
         self.engine = engine
         self.tokenizer = tokenizer
         self.store = store
@@ -82,14 +109,22 @@ class CalibratedService:
         if max_tokens > self.settings.max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} exceeds this gateway's limit of {self.settings.max_tokens_limit}",
                            param="max_tokens", code="max_tokens_exceeded")
-        n_prompt = len(self.tokenizer.encode(prompt.text, add_special_tokens=False))
-        budget = 1 if prompt.multiple_choice else max_tokens
+        if prompt.cloze:
+            # The longest scoring request: the prompt and all but the last token of the longest option, plus one.
+            n_prompt, budget = len(prompt.cloze.prompt) + max(map(len, prompt.cloze.options)) - 1, 1
+        else:
+            n_prompt = len(self.tokenizer.encode(prompt.text, add_special_tokens=False))
+            budget = 1 if prompt.multiple_choice else max_tokens
         if n_prompt + budget > self.engine.max_model_len:
             raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the request "
                            f"has {n_prompt} prompt tokens and asks for {budget} more", param="messages",
                            code="context_length_exceeded")
+        # The artifact's weights and head serve the answers they were fitted for.
+        fitted = prompt.multiple_choice or not self.artifact.multiple_choice_only
         common = dict(request_id=uuid.uuid4().hex, prompt=prompt.text, temperature=req.temperature or 0.0,
-                      top_p=req.top_p or 1.0, seed=req.seed)
+                      top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted, adapter=fitted and self.artifact.has_adapter)
+        if prompt.cloze:
+            return EngineRequest(**common, max_tokens=1)  # a template: choose_option sends one request per option token
         if prompt.multiple_choice:
             ids = tuple(self.letter_ids[letter] for letter in prompt.option_letters)
             return EngineRequest(**common, max_tokens=1, option_token_ids=ids)
@@ -102,49 +137,71 @@ class CalibratedService:
             return req.calm.raw_confidence
         return self.settings.raw_confidence
 
-    async def run(self, request: EngineRequest, with_raw: bool) -> tuple[EngineOutput, EngineOutput | None]:
-        """The calibrated output and, for multiple choice, the same request through the raw model (opted out)."""
-        if not (request.option_token_ids and with_raw):
-            return await generate(self.engine, request), None
-        raw_request = replace(request, request_id=request.request_id + "-raw", calibrated=False)
-        return tuple(await asyncio.gather(generate(self.engine, request), generate(self.engine, raw_request)))
+    async def choose_option(self, prompt: PreparedPrompt, request: EngineRequest, with_raw: bool) -> OptionChoice:
+        """The calibrated options' distribution and, if asked, the raw model's (the same requests, α head skipped)."""
+        if prompt.cloze:
+            runs = [score_cloze(self.engine, prompt.cloze, request, calibrated=True)]
+            if with_raw:
+                runs.append(score_cloze(self.engine, prompt.cloze, replace(request, request_id=request.request_id + "-raw"), calibrated=False))
+            scores = await asyncio.gather(*runs)
+            dist = options_softmax(scores[0], self._sample_option(scores[0], request))
+            raw = options_softmax(scores[1]).probs if with_raw else None
+            read = len(prompt.cloze.prompt) + sum(map(len, prompt.cloze.options))
+            return OptionChoice(dist, raw, read, 0)
+        ids = [self.letter_ids[letter] for letter in prompt.option_letters]
+        if with_raw:
+            raw_request = replace(request, request_id=request.request_id + "-raw", calibrated=False)
+            out, raw_out = await asyncio.gather(generate(self.engine, request), generate(self.engine, raw_request))
+        else:
+            out, raw_out = await generate(self.engine, request), None
+        chosen = out.token_ids[0] if out.token_ids else None
+        dist = option_distribution(out.top_logprobs[0] if out.top_logprobs else {}, ids, chosen)
+        raw = option_distribution(raw_out.top_logprobs[0], ids).probs if raw_out is not None and raw_out.top_logprobs else None
+        return OptionChoice(dist, raw, out.prompt_tokens, len(out.token_ids))
+
+    @staticmethod
+    def _sample_option(scores: np.ndarray, request: EngineRequest) -> int | None:
+        """Greedy requests take the most probable option (None); others sample softmax(scores / temperature)."""
+        if request.temperature <= 0:
+            return None
+        logits = (scores - scores.max()) / request.temperature
+        p = np.exp(logits) / np.exp(logits).sum()
+        return int(np.random.default_rng(request.seed).choice(len(p), p=p))
 
     def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:
         policy, name = self.policies.for_domain(domain)
         return resolve(policy, name, self.monitor.reference(domain), requested_threshold)
 
-    def answer(self, prompt: PreparedPrompt, out: EngineOutput, raw: EngineOutput | None, domain: str,
-               policy: ResolvedPolicy) -> Answer:
-        options = None
-        if prompt.multiple_choice:
-            ids = [self.letter_ids[letter] for letter in prompt.option_letters]
-            chosen = out.token_ids[0] if out.token_ids else None
-            dist = option_distribution(out.top_logprobs[0] if out.top_logprobs else {}, ids, chosen)
-            letter = prompt.option_letters[dist.chosen]
-            confidence, entropy, text = dist.confidence, dist.entropy, letter
-            raw_conf = None
-            if raw is not None and raw.top_logprobs:
-                raw_conf = float(option_distribution(raw.top_logprobs[0], ids).probs[dist.chosen])
-            options = [OptionProbability(label=l, probability=float(p)) for l, p in zip(prompt.option_letters, dist.probs)]
-        else:
-            confidence = sequence_confidence(out.token_logprobs)
-            entropy = topk_entropy(out.top_logprobs)
-            text, raw_conf = out.text, None
+    def option_answer(self, prompt: PreparedPrompt, choice: OptionChoice, domain: str, policy: ResolvedPolicy) -> Answer:
+        dist = choice.dist
+        options = [OptionProbability(label=l, probability=float(p)) for l, p in zip(prompt.option_letters, dist.probs)]
+        raw_conf = float(choice.raw_probs[dist.chosen]) if choice.raw_probs is not None else None
+        calibration = self._calibration(dist.confidence, raw_conf, dist.entropy, "multiple_choice", options, domain, policy)
+        # The answer's one log-prob is the chosen option's, under the options' distribution, whatever the format.
+        return Answer(policy.message if calibration.abstained else prompt.option_letters[dist.chosen], "stop",
+                      calibration, choice.prompt_tokens, choice.completion_tokens, [math.log(dist.confidence)])
+
+    def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy) -> Answer:
+        confidence = sequence_confidence(out.token_logprobs)
+        calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy)
+        return Answer(policy.message if calibration.abstained else out.text, out.finish_reason, calibration,
+                      out.prompt_tokens, len(out.token_ids), out.token_logprobs)
+
+    def _calibration(self, confidence: float, raw_conf: float | None, entropy: float, mode: str, options,
+                     domain: str, policy: ResolvedPolicy) -> Calibration:
         below = confidence < policy.threshold
         abstained = below and policy.action is Action.ABSTAIN
-        calibration = Calibration(
-            confidence=confidence, raw_confidence=raw_conf, abstained=abstained, threshold=policy.threshold,
-            policy=policy.name, domain=domain, artifact_version=self.engine.artifact_version,
-            mode="multiple_choice" if prompt.multiple_choice else "free_form", entropy=entropy, options=options,
-        )
         self.monitor.observe_answer(domain, confidence, entropy, below, abstained)
-        return Answer(policy.message if abstained else text, out.finish_reason, calibration, out.prompt_tokens,
-                      len(out.token_ids), out.token_logprobs)
+        return Calibration(
+            confidence=confidence, raw_confidence=raw_conf, abstained=abstained, threshold=policy.threshold,
+            policy=policy.name, domain=domain, artifact_version=self.engine.artifact_version, mode=mode,
+            entropy=entropy, options=options,
+        )
 
     # -- endpoints -----------------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, domain: str):
         self.check_model(req.model)
-        prompt = prepare_chat(self.tokenizer, req)
+        prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
         served = await self._serve(req, domain, prompt, max_tokens, req.top_logprobs or 0, "chatcmpl", "chat.completion.chunk")
         if not isinstance(served, tuple):
@@ -159,7 +216,7 @@ class CalibratedService:
 
     async def completion(self, req: CompletionRequest, domain: str):
         self.check_model(req.model)
-        prompt = prepare_completion(req)
+        prompt = prepare_completion(self.tokenizer, req, self.artifact.answer_format)
         served = await self._serve(req, domain, prompt, req.max_tokens, req.logprobs or 0, "cmpl", "text_completion")
         if not isinstance(served, tuple):
             return served
@@ -183,8 +240,10 @@ class CalibratedService:
         return response_id, await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req))
 
     async def _complete(self, prompt, request, domain, policy, response_id, with_raw) -> Answer:
-        out, raw = await self.run(request, with_raw)
-        answer = self.answer(prompt, out, raw, domain, policy)
+        if prompt.multiple_choice:
+            answer = self.option_answer(prompt, await self.choose_option(prompt, request, with_raw), domain, policy)
+        else:
+            answer = self.free_answer(await generate(self.engine, request), domain, policy)
         self.store.record_response(response_id, domain, answer.calibration.confidence)
         return answer
 
@@ -221,7 +280,7 @@ class CalibratedService:
                     deltas.append(delta)
                     if delta.text:
                         yield chunk(delta.text)
-                answer = self.answer(prompt, EngineOutput.collect(deltas), None, domain, policy)
+                answer = self.free_answer(EngineOutput.collect(deltas), domain, policy)
                 self.store.record_response(response_id, domain, answer.calibration.confidence)
                 yield chunk(None, answer.finish_reason, answer.calibration)
             yield "data: [DONE]\n\n"
@@ -232,6 +291,27 @@ class CalibratedService:
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
+
+
+async def score_cloze(engine: EngineClient, tokens: ClozeTokens, request: EngineRequest, calibrated: bool) -> np.ndarray:
+    """Each option's cloze score: one greedy one-token request per option token, teacher-forced on the option's
+    earlier tokens, returning that token's log-prob. Not restricted to the option tokens, so the log-prob is the
+    engine's full-vocabulary softmax of d ⊙ z + l (prompt log-probs would skip the α head inside vLLM)."""
+    jobs, owner = [], []
+    for k, option in enumerate(tokens.options):
+        for j, token in enumerate(option):
+            jobs.append(replace(request, request_id=f"{request.request_id}-{k}-{j}", prompt="",
+                                prompt_token_ids=tokens.prompt + option[:j], max_tokens=1, temperature=0.0,
+                                top_p=1.0, seed=None, option_token_ids=(token,), restrict_to_options=False,
+                                calibrated=calibrated))
+            owner.append((k, token))
+    outs = await asyncio.gather(*(generate(engine, job) for job in jobs))
+    per_option: list[list[float]] = [[] for _ in tokens.options]
+    for (k, token), out in zip(owner, outs):
+        if not out.top_logprobs or token not in out.top_logprobs[0]:
+            raise EngineUnavailable("the engine returned no log-prob for an option token")
+        per_option[k].append(out.top_logprobs[0][token])
+    return cloze_scores(per_option)
 
 
 def _usage(answer: Answer) -> UsageInfo:

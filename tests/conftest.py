@@ -36,3 +36,29 @@ def embedded_model(embedded_model_dir):
     from training.scoring import load_hf_model
 
     return load_hf_model(str(embedded_model_dir), "float32")
+
+
+@pytest.fixture(scope="session")
+def shipped_artifact():
+    """The artifact `calm serve` uses by default on the embedded model."""
+    from calm_cli.serving import DEFAULT_ARTIFACTS
+    from calm_core.artifact import load_artifact
+    from calm_core.models import EMBEDDED_ID
+
+    return load_artifact(DEFAULT_ARTIFACTS[EMBEDDED_ID])
+
+
+@pytest.fixture(scope="session")
+def shipped_model(shipped_artifact, embedded_model_dir):
+    """The embedded model with the shipped LoRA adapter applied by peft (not merged: independent of the merged folder
+    the gateway serves)."""
+    import torch
+    from peft import PeftModel
+
+    from training.scoring import load_hf_model
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_hf_model(str(embedded_model_dir), "float32")
+    if shipped_artifact.adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(shipped_artifact.adapter_dir)).eval()
+    return model, tokenizer

@@ -36,7 +36,9 @@ def stack(tmp_path_factory, embedded_model_dir):
         pytest.fail("prometheus not installed: scripts/test.sh installs Debian's prometheus package")
     tmp = tmp_path_factory.mktemp("drift")
     gw_port, prom_port = free_port(), free_port()
-    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100"}
+    # The window is the alert rule's minimum (50 answers) and the raw-model pass is off: cloze scoring costs one engine
+    # request per option token, and this test is about the alerting path.
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "50", "CALM_RAW_CONFIDENCE": "false"}
     config = tmp / "prometheus.yml"
     config.write_text(f"""
 global: {{scrape_interval: 1s, evaluation_interval: 1s}}
@@ -53,7 +55,7 @@ scrape_configs:
 
 
 def ask(gateway: str, question: str, choices: list[str], domain: str) -> float:
-    r = httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+    r = httpx.post(f"{gateway}/v1/chat/completions", timeout=300, json={
         "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": question}],
         "options": choices, "metadata": {"domain": domain}})
     r.raise_for_status()
@@ -77,19 +79,21 @@ def gauge(prometheus: str, name: str, domain: str) -> float | None:
 
 def test_drift_alert_quiet_in_domain_and_firing_on_shift(stack, shared_data):
     gateway, prometheus = stack
-    # In-domain: held-out grade-school science questions (the reference is the bundled ARC/OpenBookQA test subset).
-    science = load_mc("arc_easy", "dev", root=shared_data)[:60] + load_mc("arc_challenge", "dev", root=shared_data)[:40]
+    # In-domain: held-out grade-school science questions, from the population the artifact's reference histogram was
+    # built on (the split's calibration and in-domain test questions; training questions would be more confident).
+    science = load_mc("arc_easy", "test", root=shared_data)[:30] + load_mc("arc_challenge", "test", root=shared_data)[:20]
     send(gateway, [(q.question, list(q.choices)) for q in science], "science")
     time.sleep(40)  # longer than the rule's `for: 30s`, so a pending alert would have fired
     psi_in = gauge(prometheus, "calm_drift_psi", "science")
     assert psi_in is not None and psi_in < 0.25, psi_in
     assert drift_alerts(prometheus, "science") == []
 
-    # Shifted: trivia questions posed as 8-way choices, sent under the same domain label.
-    trivia = load_open("triviaqa", root=shared_data)[:100]
+    # Shifted: trivia questions posed as 2-way choices under the same domain label (answers far more confident than
+    # the 4-way science reference; 2 options also keep this test's engine load small).
+    trivia = load_open("triviaqa", root=shared_data)[:50]
     rng = random.Random(0)
     pool = [t.answer for t in load_open("triviaqa", root=shared_data)[100:400]]
-    shifted = [(t.question, rng.sample(pool, 7) + [t.answer]) for t in trivia]
+    shifted = [(t.question, rng.sample(pool, 1) + [t.answer]) for t in trivia]
     send(gateway, shifted, "science")
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:

@@ -26,12 +26,14 @@ LETTER_SHIFT = [0.4, -0.3, 0.6, 0.0, 0.2]
 
 @pytest.fixture(scope="module")
 def test_artifact(tmp_path_factory, embedded_model):
-    """The shipped artifact's references with a head that rescales and shifts the answer letters A-E."""
+    """The shipped artifact's references with a letter-format head (no adapter) that rescales and shifts only the
+    answer letters A-E."""
     from calm_cli.serving import DEFAULT_ARTIFACTS
 
     base = load_artifact(next(iter(DEFAULT_ARTIFACTS.values())))
     _, tokenizer = embedded_model
-    scale, shift = base.head.scale.copy(), base.head.shift.copy()
+    vocab = base.manifest.tokenizer.vocab_size
+    scale, shift = np.ones(vocab, dtype=np.float32), np.zeros(vocab, dtype=np.float32)
     ids = letter_token_ids(tokenizer)[:5]
     scale[ids], shift[ids] = LETTER_SCALE, LETTER_SHIFT
     path = tmp_path_factory.mktemp("artifact") / "test-head"

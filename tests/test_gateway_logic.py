@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from calm_core.prompts import detect_option_letters
-from gateway.confidence import option_distribution, sequence_confidence, topk_entropy
+from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_question
+from gateway.confidence import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
 from gateway.policies import Action, Policy, resolve, threshold_for_risk
 from gateway.store import Store, VersionConflict
@@ -23,6 +23,61 @@ def test_option_distribution_renormalises_over_options():
     assert option_distribution({10: -1.0, 11: -0.5}, [10, 11], chosen_token=10).chosen == 0
     with pytest.raises(ValueError, match="no finite log-prob"):
         option_distribution({}, [1, 2])
+
+
+def test_cloze_options_are_a_softmax_of_mean_token_log_probs():
+    scores = cloze_scores([[math.log(0.5), math.log(0.125)], [math.log(0.5)], [-math.inf, 0.0]])
+    np.testing.assert_allclose(scores[:2], [math.log(0.25), math.log(0.5)])
+    dist = options_softmax(scores)
+    np.testing.assert_allclose(dist.probs, [1 / 3, 2 / 3, 0.0])
+    assert dist.chosen == 1 and options_softmax(scores, chosen=0).confidence == pytest.approx(1 / 3)
+
+
+class ScriptedEngine:
+    """Answers each one-token request with log-prob -(prompt length + token id / 100) for the asked token."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        self.requests.append(request)
+        token = request.option_token_ids[0]
+        value = -(len(request.prompt_token_ids) + token / 100)
+        yield EngineDelta(text="x", token_ids=[7], token_logprobs=[-1.0], top_logprobs=[{token: value, 7: -1.0}])
+
+
+def test_cloze_scoring_teacher_forces_each_option_token_without_restricting_the_vocabulary():
+    import asyncio
+
+    from adapters.engine import EngineRequest
+    from gateway.serving import score_cloze
+
+    engine = ScriptedEngine()
+    tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,)))
+    template = EngineRequest(request_id="r", prompt="Question: ...", temperature=0.8, seed=3)
+    scores = asyncio.run(score_cloze(engine, tokens, template, calibrated=False))
+    # Option 0: tokens 40 after the prompt (3 tokens), 41 after prompt + 40 (4 tokens); option 1: 50 after the prompt.
+    np.testing.assert_allclose(scores, [-(3.40 + 4.41) / 2, -3.50])
+    sent = {r.request_id: r for r in engine.requests}
+    assert sorted(sent) == ["r-0-0", "r-0-1", "r-1-0"]
+    assert sent["r-0-1"].prompt_token_ids == (1, 2, 3, 40) and sent["r-0-1"].option_token_ids == (41,)
+    assert all(not r.restrict_to_options and not r.calibrated and r.max_tokens == 1 and r.temperature == 0.0
+               for r in engine.requests)
+
+
+@pytest.mark.parametrize(
+    "text, parsed",
+    [
+        ("Which gas?\nA. oxygen\nB. carbon dioxide\nAnswer with a letter.", ("Which gas?", ("oxygen", "carbon dioxide"))),
+        ("Answer the following multiple-choice question with a single letter.\n\nQ?\n(A) one two\n(B) three",
+         ("Q?", ("one two", "three"))),
+        ("What is the capital of France?", None),
+    ],
+)
+def test_parse_options_question(text, parsed):
+    assert parse_options_question(text) == parsed
 
 
 def test_sequence_confidence_is_geometric_mean():

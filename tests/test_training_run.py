@@ -37,7 +37,7 @@ def test_packed_cloze_scores_equal_separate_full_model_runs(embedded_model, shar
     """Packing a question with all its options, and running only the top layers, changes no option's log-likelihood;
     a non-trivial α head enters every token's full-vocabulary softmax."""
     from calm_core.data import load_mc
-    from calm_core.prompts import cloze_option, cloze_prompt
+    from calm_core.prompts import cloze_option, cloze_prompt, cloze_tokens
     from training.cloze import encode_packed, option_scores, pack_question, token_logits
 
     model, tokenizer = embedded_model
@@ -48,13 +48,13 @@ def test_packed_cloze_scores_equal_separate_full_model_runs(embedded_model, shar
     expected = torch.zeros(len(questions), 5)
     with torch.no_grad():
         for i, q in enumerate(questions):
-            prompt = tokenizer(cloze_prompt(q), add_special_tokens=False)["input_ids"]
+            prompt = tokenizer(cloze_prompt(q.question), add_special_tokens=False)["input_ids"]
             for k, choice in enumerate(q.choices):
                 option = tokenizer(cloze_option(choice), add_special_tokens=False)["input_ids"]
                 logits = model(torch.tensor([prompt + option])).logits[0, len(prompt) - 1 : -1]
                 logp = torch.log_softmax(logits * scale + shift, -1)
                 expected[i, k] = logp.gather(1, torch.tensor(option)[:, None]).mean()
-        items = [pack_question(tokenizer, q) for q in questions]
+        items = [pack_question(cloze_tokens(tokenizer, q.question, q.choices)) for q in questions]
         encode_packed(model, items, 26, batch_size=4)
         got = option_scores(token_logits(model, items, 26, 5, "cpu"), scale, shift)
     for i, q in enumerate(questions):
@@ -80,7 +80,9 @@ def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, 
                            expect_tokenizer_sha256=vocab_sha256(trainer.tokenizer.get_vocab()))
     assert loaded.manifest.method == "calm" and loaded.adapter_dir is not None
     assert loaded.manifest.answer_format == answer_format
-    assert (loaded.adapter_dir / "adapter_config.json").is_file()
+    adapter_config = json.loads((loaded.adapter_dir / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == loaded.manifest.base_model.id  # no machine-local path
+    assert not (loaded.adapter_dir / "README.md").exists()
     assert "in_domain/arc_easy" in loaded.manifest.metrics and "all" in loaded.manifest.reference_histograms
     np.testing.assert_allclose(loaded.head.shift, trainer.alpha.full()[1].detach().numpy(), rtol=1e-6)
     log = [json.loads(l) for l in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]

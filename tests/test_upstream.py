@@ -40,21 +40,18 @@ def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
         assert 'calm_requests_total{domain="science",endpoint="chat",status="503"} 1.0' in metrics
 
 
-def test_gateway_over_calm_engine_matches_hf(tmp_path, embedded_model):
-    """`calm engine` serves vLLM with the α head; through it the gateway gives the numbers HF gives (fp32, 1e-3)."""
+def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped_model):
+    """`calm engine` serves vLLM with the shipped artifact (merged LoRA + α head); through it the gateway gives the
+    cloze option probabilities HF + peft give (fp32, 1e-3), the prompt travelling as token ids over HTTP."""
     import numpy as np
-    import torch
 
-    from calm_core.alpha_head import option_probs
-    from calm_core.prompts import letter_token_ids, letter_user_message, render_chat
-    from training.scoring import last_position_logits
+    from tests.hf_reference import cloze_option_probs
 
-    model, tokenizer = embedded_model
-    prompt = render_chat(tokenizer, [{"role": "user", "content": letter_user_message(
-        QUESTION["messages"][0]["content"], QUESTION["options"])}])
-    with torch.inference_mode():
-        z = last_position_logits(model, tokenizer, [prompt])[0, letter_token_ids(tokenizer)[:4]].double().numpy()
-    expected = option_probs(z[None])[0]
+    model, tokenizer = shipped_model
+    head = shipped_artifact.head
+    question = QUESTION["messages"][0]["content"]
+    expected = cloze_option_probs(model, tokenizer, question, QUESTION["options"], head.scale, head.shift)
+    raw = cloze_option_probs(model, tokenizer, question, QUESTION["options"])
     engine_port, gw_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{engine_url}"]', "CALM_DB_PATH": str(tmp_path / "g.db"),
@@ -66,9 +63,9 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, embedded_model):
         assert r.status_code == 200, r.text
         cal = r.json()["choices"][0]["calibration"]
         assert cal["mode"] == "multiple_choice" and cal["raw_confidence"] is not None
-        # Identity head (the shipped default): calibrated equals raw, and the option probabilities sum to one.
-        assert cal["confidence"] == pytest.approx(cal["raw_confidence"], abs=1e-5)
+        chosen = "ABCD".index(r.json()["choices"][0]["message"]["content"])
         np.testing.assert_allclose([o["probability"] for o in cal["options"]], expected, atol=1e-3)
+        assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
         free = chat(base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
         assert free.status_code == 200 and "Paris" in free.json()["choices"][0]["message"]["content"]
         lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,

@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 import torch
 
 from calm_core.data import MCQuestion
-from calm_core.prompts import cloze_option, cloze_prompt, letter_prompt, letter_token_ids
+from calm_core.prompts import cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
 from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
 from training.objectives import entropy
@@ -92,10 +92,10 @@ class ClozeFormat:
     name = "cloze"
 
     def fingerprint(self, tokenizer, q: MCQuestion) -> str:
-        return "\0".join([cloze_prompt(q), *(cloze_option(c) for c in q.choices)])
+        return "\0".join([cloze_prompt(q.question), *(cloze_option(c) for c in q.choices)])
 
     def encode(self, model, tokenizer, questions, first_trained, batch_size, progress=None) -> list[PackedQuestion]:
-        items = [pack_question(tokenizer, q) for q in questions]
+        items = [pack_question(cloze_tokens(tokenizer, q.question, q.choices)) for q in questions]
         encode_packed(model, items, first_trained, batch_size, progress)
         return items
 

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from calm_core.data import MCQuestion
-from calm_core.errors import ModelError
-from calm_core.prompts import cloze_option, cloze_prompt
+from calm_core.prompts import ClozeTokens
 from training.top_layers import decoder, run_layers_masked
 
 PAD_SEGMENT = -1
@@ -40,24 +38,21 @@ class PackedQuestion:
         return int(self.input_ids.shape[0])
 
 
-def pack_question(tokenizer, q: MCQuestion) -> PackedQuestion:
-    prompt = tokenizer(cloze_prompt(q), add_special_tokens=False)["input_ids"]
+def pack_question(tokens: ClozeTokens) -> PackedQuestion:
+    prompt = list(tokens.prompt)
     n_prompt = len(prompt)
     ids, segment, positions = list(prompt), [0] * n_prompt, list(range(n_prompt))
     pred_pos, targets, option_of = [], [], []
-    for k, choice in enumerate(q.choices):
-        tokens = tokenizer(cloze_option(choice), add_special_tokens=False)["input_ids"]
-        if not tokens:
-            raise ModelError(f"question {q.id}: option {k} has no tokens")
+    for k, option in enumerate(tokens.options):
         start = len(ids)
-        for j, token in enumerate(tokens):
+        for j, token in enumerate(option):
             # The first option token is predicted from the prompt's last position, the rest from the option itself.
             pred_pos.append(n_prompt - 1 if j == 0 else start + j - 1)
             targets.append(token)
             option_of.append(k)
-        ids += tokens
-        segment += [k + 1] * len(tokens)
-        positions += range(n_prompt, n_prompt + len(tokens))
+        ids += option
+        segment += [k + 1] * len(option)
+        positions += range(n_prompt, n_prompt + len(option))
     as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return PackedQuestion(as_long(ids), as_long(segment), as_long(positions), as_long(pred_pos), as_long(targets),
                           as_long(option_of))

@@ -349,9 +349,13 @@ class Trainer:
                 for role in ("train", "calibration") for label, s in self.sets[role].items()]
         with tempfile.TemporaryDirectory() as tmp:
             self.model.save_pretrained(tmp)
+            # The adapter names its base by model id, not by this machine's path; peft's empty model card is dropped.
+            config_path = Path(tmp, "adapter_config.json")
+            config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": base.id}, indent=2))
+            Path(tmp, "README.md").unlink(missing_ok=True)
             save_artifact(path, self.alpha.to_head(), base_model=base, tokenizer=tok, method=self.cfg.method,
                           training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp,
-                          answer_format=self.cfg.answer_format)
+                          answer_format=self.cfg.answer_format, applies_to="multiple_choice")
         (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         if merged:
             self.write_merged(self.out / "merged")

@@ -1,0 +1,25 @@
+"""Reference numbers from HF transformers, computed the plain way (one full forward per prompt + option), for checking
+what the gateway returns through vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from calm_core.prompts import cloze_tokens
+
+
+@torch.inference_mode()
+def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shift=0.0) -> np.ndarray:
+    """softmax over options of each option's mean token log-prob under log softmax(d ⊙ z + l)."""
+    tokens = cloze_tokens(tokenizer, question, choices)
+    scale, shift = torch.as_tensor(scale, dtype=torch.float32), torch.as_tensor(shift, dtype=torch.float32)
+    scores = []
+    for option in tokens.options:
+        ids = torch.tensor([tokens.prompt + option])
+        logits = model(input_ids=ids).logits[0, len(tokens.prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits * scale + shift, -1)
+        scores.append(float(logp.gather(1, torch.tensor(option)[:, None]).mean()))
+    s = np.array(scores, dtype=np.float64)
+    p = np.exp(s - s.max())
+    return p / p.sum()

@@ -1,0 +1,89 @@
+"""The main job as shipped: `calm serve` with no options (in-process vLLM, embedded model, the bundled CALM
+artifact), through the official `openai` client. Multiple-choice confidence is cloze option scoring through the
+artifact's LoRA weights and α head, checked against HF transformers + peft (fp32, 1e-3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+
+from calm_core.data import load_mc
+from tests.hf_reference import cloze_option_probs
+from tests.servers import calm_argv, free_port, running
+
+pytestmark = pytest.mark.slow
+MODEL = "calm-smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory, embedded_model_dir):
+    tmp = tmp_path_factory.mktemp("default-gateway")
+    port = free_port()
+    with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp / "gateway.log",
+                 {"CALM_DB_PATH": str(tmp / "gw.sqlite3")}):
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def calibration(choice) -> dict:
+    return choice.model_extra["calibration"]
+
+
+def test_shipped_artifact_is_a_trained_calm_head_on_cloze(shipped_artifact):
+    m, head = shipped_artifact.manifest, shipped_artifact.head
+    assert m.method == "calm_scalar" and m.answer_format == "cloze" and m.has_adapter
+    assert abs(float(np.mean(head.scale)) - 1.0) > 0.1  # training moved the head away from identity
+    assert {"science", "commonsense", "medicine"} <= set(m.reference_histograms)
+
+
+def test_default_gateway_scores_options_by_cloze_through_the_shipped_head(client, shipped_artifact, shipped_model, shared_data):
+    model, tokenizer = shipped_model
+    head = shipped_artifact.head
+    questions = [q for q in load_mc("arc_easy", "test", root=shared_data) if q.n_options == 4][:5]
+    moved = 0
+    for q in questions:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q.question}],
+                                           extra_body={"options": list(q.choices)}, metadata={"domain": "science"})
+        cal = calibration(r.choices[0])
+        expected = cloze_option_probs(model, tokenizer, q.question, q.choices, head.scale, head.shift)
+        raw = cloze_option_probs(model, tokenizer, q.question, q.choices)
+        chosen = "ABCD".index(r.choices[0].message.content)
+        assert cal["mode"] == "multiple_choice" and chosen == int(np.argmax(expected))
+        np.testing.assert_allclose([o["probability"] for o in cal["options"]], expected, atol=1e-3)
+        assert cal["confidence"] == pytest.approx(expected[chosen], abs=1e-3)
+        assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
+        moved += abs(cal["confidence"] - cal["raw_confidence"]) > 0.01
+    assert moved >= 3  # the trained head changes the confidence inside the engine
+
+
+def test_options_written_in_the_prompt_are_scored_the_same_way(client):
+    explicit = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Which gas do plants absorb?"}],
+                                              extra_body={"options": ["oxygen", "carbon dioxide", "helium"]})
+    text = "Which gas do plants absorb?\nA. oxygen\nB. carbon dioxide\nC. helium\nAnswer with a letter."
+    written = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}])
+    completion = client.completions.create(model=MODEL, prompt="Which gas do plants absorb?", max_tokens=1,
+                                           extra_body={"options": ["oxygen", "carbon dioxide", "helium"]})
+    probs = [[o["probability"] for o in calibration(c)["options"]]
+             for c in (explicit.choices[0], written.choices[0], completion.choices[0])]
+    np.testing.assert_allclose(probs[1], probs[0], atol=1e-6)
+    np.testing.assert_allclose(probs[2], probs[0], atol=1e-6)
+    assert explicit.usage.completion_tokens == 0 and explicit.usage.prompt_tokens > 10
+
+
+def test_free_form_answers_come_from_the_base_model(client):
+    """The shipped head and adapter are fitted on multiple choice only: chat keeps the base model's answers."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                       max_tokens=10, logprobs=True)
+    cal = calibration(r.choices[0])
+    assert "Paris" in r.choices[0].message.content and cal["mode"] == "free_form"
+    lps = r.choices[0].logprobs.model_extra["token_logprobs"]
+    assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(lps))), rel=1e-6) and cal["confidence"] > 0.5
+
+
+def test_sampled_answers_follow_the_seed(client):
+    ask = lambda seed: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": "Which is a mammal?"}], temperature=2.0, seed=seed,
+        extra_body={"options": ["shark", "whale", "trout", "eel"]}).choices[0]
+    answers = {seed: ask(seed).message.content for seed in range(8)}
+    assert all(ask(seed).message.content == answers[seed] for seed in (0, 1))
+    assert len(set(answers.values())) > 1  # at temperature 2 the draw is not always the most probable option
