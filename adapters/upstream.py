@@ -23,7 +23,8 @@ def _token_id(token: str) -> int:
 
 def _payload(model: str, r: EngineRequest) -> dict:
     body = {
-        "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt, "max_tokens": r.max_tokens, "temperature": r.temperature,
+        "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt,
+        "max_tokens": r.max_tokens, "temperature": r.temperature,
         "top_p": r.top_p, "stream": True, "stream_options": {"include_usage": True},
         "return_tokens_as_token_ids": True, "add_special_tokens": False,
     }
@@ -83,7 +84,8 @@ class UpstreamVLLMEngine:
             raise EngineUnavailable("upstream client not started")
         url = self.urls[next(self._next)]
         try:
-            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(self.adapter_name if request.adapter and self.adapter_name else self.model_name, request)) as resp:
+            model = self.adapter_name if request.adapter and self.adapter_name else self.model_name
+            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(model, request)) as resp:
                 if resp.status_code == 400:
                     body = json.loads(await resp.aread() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")

@@ -39,8 +39,8 @@ class EngineConfig:
         }
 
     def engine_kwargs(self, model_path: str | None = None) -> dict:
-        lora = dict(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1) if self.adapter_path else {}
-        return dict(**lora,
+        """In-process engine arguments; an adapter is served there from merged weights (`merged_model_path`)."""
+        return dict(
             model=model_path or self.model_path,
             served_model_name=[self.served_model_name],
             dtype=self.dtype,

@@ -26,6 +26,7 @@ from calm_core.alpha_head import AlphaHead, HeadKind
 from calm_core.atomic import atomic_dir
 from calm_core.errors import ArtifactError
 from calm_core.hashing import sha256_file
+from calm_core.prompts import AnswerFormatName
 
 FORMAT_VERSION = 1
 HEAD_FILE = "alpha_head.safetensors"
@@ -70,7 +71,7 @@ class ArtifactManifest(BaseModel):
     created_at: str
     method: str = "identity"
     # How the head was fitted to multiple-choice answers: one letter token, or each option's text (cloze).
-    answer_format: Literal["letter", "cloze"] = "letter"
+    answer_format: AnswerFormatName = "letter"
     # Which answers the weights and head were fitted for. A trained artifact is fitted on multiple-choice scoring only:
     # free-form answers then come from the base model with its own probabilities (its LoRA and head are not applied).
     applies_to: Literal["all", "multiple_choice"] = "all"

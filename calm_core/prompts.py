@@ -7,12 +7,14 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
 from calm_core.errors import ModelError
 
 LETTERS = tuple(string.ascii_uppercase[:MAX_OPTIONS])  # A..M
+# How multiple choice is scored: the answer letter after the chat-templated question, or each option's text (cloze).
+AnswerFormatName = Literal["letter", "cloze"]
 
 INSTRUCTION = "Answer the following multiple-choice question with a single letter."
 

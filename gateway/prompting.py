@@ -9,16 +9,11 @@ the served head was fitted: the letter format under the chat template, or, for c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 from calm_core.prompts import (
-    LETTERS, ClozeTokens, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
+    LETTERS, AnswerFormatName, ClozeTokens, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
     parse_options_question, render_chat,
 )
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-
-AnswerFormat = Literal["letter", "cloze"]
-
 
 @dataclass(frozen=True)
 class PreparedPrompt:
@@ -39,7 +34,7 @@ def _options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, .
     return (text, tuple(options)) if options else parse_options_question(text)
 
 
-def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormat = "letter") -> PreparedPrompt:
+def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     if answer_format == "cloze" and (found := _options_of(messages[last_user]["content"], req.options)):
@@ -54,7 +49,7 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFor
     return PreparedPrompt(render_chat(tokenizer, messages), letters)
 
 
-def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormat = "letter") -> PreparedPrompt:
+def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     if answer_format == "cloze" and (found := _options_of(prompt, req.options)):
         return _cloze(tokenizer, *found)

@@ -13,15 +13,15 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from adapters.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate
 import numpy as np
 
-from calm_core.prompts import LETTERS, ClozeTokens, letter_token_ids
+from adapters.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate
+from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from gateway.confidence import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError, sse_error
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, resolve
-from gateway.prompting import AnswerFormat, PreparedPrompt, prepare_chat, prepare_completion
+from gateway.prompting import PreparedPrompt, prepare_chat, prepare_completion
 from gateway.protocol import (
     Calibration, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
     CompletionRequest, CompletionResponse, OptionProbability, SamplingFields, UsageInfo,
@@ -52,7 +52,7 @@ class PolicyBook:
 class ServedArtifact:
     """What the gateway needs to know about the served artifact to route a request through it."""
 
-    answer_format: AnswerFormat = "letter"  # how its head was fitted to multiple choice
+    answer_format: AnswerFormatName = "letter"  # how its head was fitted to multiple choice
     multiple_choice_only: bool = False  # free-form answers then use the base weights without the head
     has_adapter: bool = False
 
@@ -142,7 +142,8 @@ class CalibratedService:
         if prompt.cloze:
             runs = [score_cloze(self.engine, prompt.cloze, request, calibrated=True)]
             if with_raw:
-                runs.append(score_cloze(self.engine, prompt.cloze, replace(request, request_id=request.request_id + "-raw"), calibrated=False))
+                raw_request = replace(request, request_id=request.request_id + "-raw")
+                runs.append(score_cloze(self.engine, prompt.cloze, raw_request, calibrated=False))
             scores = await asyncio.gather(*runs)
             dist = options_softmax(scores[0], self._sample_option(scores[0], request))
             raw = options_softmax(scores[1]).probs if with_raw else None
@@ -164,8 +165,7 @@ class CalibratedService:
         """Greedy requests take the most probable option (None); others sample softmax(scores / temperature)."""
         if request.temperature <= 0:
             return None
-        logits = (scores - scores.max()) / request.temperature
-        p = np.exp(logits) / np.exp(logits).sum()
+        p = options_softmax(scores / request.temperature).probs
         return int(np.random.default_rng(request.seed).choice(len(p), p=p))
 
     def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:

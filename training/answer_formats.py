@@ -14,18 +14,17 @@ forward returned, so the CALM step can reuse one detached forward at θ̃ with g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from calm_core.data import MCQuestion
-from calm_core.prompts import cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
+from calm_core.prompts import AnswerFormatName, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
 from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
 from training.objectives import entropy
 from training.top_layers import collate, encode_prefix, last_logits
 
-FormatName = Literal["letter", "cloze"]
 
 
 class AnswerFormat(Protocol):
@@ -114,5 +113,5 @@ class ClozeFormat:
         return torch.unique(torch.cat([q.targets for q in items]))
 
 
-def answer_format(name: FormatName, tokenizer) -> AnswerFormat:
+def answer_format(name: AnswerFormatName, tokenizer) -> AnswerFormat:
     return LetterFormat(tokenizer) if name == "letter" else ClozeFormat()

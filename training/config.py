@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from calm_core.errors import ConfigError
+from calm_core.prompts import AnswerFormatName
 
 Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
 
@@ -23,7 +24,7 @@ class TrainConfig(BaseModel):
     out_dir: str = "runs/calm"
     # cloze: options scored by their text's length-normalised log-likelihood (α on every token of it);
     # letter: one letter at the answer position (stays at chance at 135M parameters).
-    answer_format: Literal["cloze", "letter"] = "cloze"
+    answer_format: AnswerFormatName = "cloze"
 
     # LoRA on the top decoder layers only (their input is cached once per prompt).
     lora_rank: int = Field(16, gt=0)
