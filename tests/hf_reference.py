@@ -10,8 +10,8 @@ from calm_core.prompts import cloze_tokens
 
 
 @torch.inference_mode()
-def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shift=0.0) -> np.ndarray:
-    """softmax over options of each option's mean token log-prob under log softmax(d ⊙ z + l)."""
+def cloze_option_scores(model, tokenizer, question: str, choices, scale=1.0, shift=0.0) -> np.ndarray:
+    """Each option's mean token log-prob under log softmax(d ⊙ z + l), one full forward of prompt + option each."""
     tokens = cloze_tokens(tokenizer, question, choices)
     scale, shift = torch.as_tensor(scale, dtype=torch.float32), torch.as_tensor(shift, dtype=torch.float32)
     scores = []
@@ -20,6 +20,11 @@ def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shif
         logits = model(input_ids=ids).logits[0, len(tokens.prompt) - 1 : -1].float()
         logp = torch.log_softmax(logits * scale + shift, -1)
         scores.append(float(logp.gather(1, torch.tensor(option)[:, None]).mean()))
-    s = np.array(scores, dtype=np.float64)
+    return np.array(scores, dtype=np.float64)
+
+
+def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shift=0.0) -> np.ndarray:
+    """softmax over the options of their cloze scores."""
+    s = cloze_option_scores(model, tokenizer, question, choices, scale, shift)
     p = np.exp(s - s.max())
     return p / p.sum()
