@@ -36,6 +36,18 @@ class EngineRequest:
     calibrated: bool = True  # False: the raw model's numbers (α head skipped for this request)
     prompt_token_ids: tuple[int, ...] = ()  # when set, the prompt as token ids (then `prompt` is not tokenized)
     adapter: bool = False  # run with the artifact's LoRA adapter (engines serving one); else the base weights
+    folded: bool = False  # run on the weights with the α head folded into the LM head (engines with `folded_scoring`)
+    prompt_logprobs: bool = False  # also return the log-prob of every prompt token (taken before logits processors)
+    # OpenAI / vLLM sampling parameters, passed to the engine unchanged (defaults: vLLM's "off" values).
+    n: int = 1  # completions from one prompt; vLLM gives child i the seed `seed + i`
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None  # structured output: the answer must match this JSON schema (JSON text)
+    json_object: bool = False  # structured output: the answer must be a JSON object
 
 
 @dataclass
@@ -48,6 +60,8 @@ class EngineDelta:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int | None = None
+    index: int = 0  # which of the request's n completions this piece belongs to
+    prompt_logprobs: list[float] | None = None  # per prompt token (the first has none: nan), when asked for
 
 
 @dataclass
@@ -58,11 +72,13 @@ class EngineOutput:
     top_logprobs: list[dict[int, float]]
     finish_reason: str | None
     prompt_tokens: int
+    prompt_logprobs: list[float] | None = None
 
     @classmethod
     def collect(cls, deltas: list[EngineDelta]) -> "EngineOutput":
         out = cls("", [], [], [], None, 0)
         for d in deltas:
+            out.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else out.prompt_logprobs
             out.text += d.text
             out.token_ids += d.token_ids
             out.token_logprobs += d.token_logprobs
@@ -71,12 +87,22 @@ class EngineOutput:
             out.prompt_tokens = d.prompt_tokens if d.prompt_tokens is not None else out.prompt_tokens
         return out
 
+    @classmethod
+    def collect_choices(cls, deltas: list[EngineDelta], n: int) -> list["EngineOutput"]:
+        """One output per completion index; the prompt's token count (reported once) goes to every one."""
+        outs = [cls.collect([d for d in deltas if d.index == i]) for i in range(n)]
+        prompt_tokens = max((o.prompt_tokens for o in outs), default=0)
+        for out in outs:
+            out.prompt_tokens = prompt_tokens
+        return outs
+
 
 @runtime_checkable
 class EngineClient(Protocol):
     model_name: str
     artifact_version: str
     max_model_len: int
+    folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
 
     async def start(self) -> None: ...
 
@@ -92,3 +118,8 @@ class EngineClient(Protocol):
 
 async def generate(engine: EngineClient, request: EngineRequest) -> EngineOutput:
     return EngineOutput.collect([d async for d in engine.stream(request)])
+
+
+async def generate_choices(engine: EngineClient, request: EngineRequest) -> list[EngineOutput]:
+    """All n completions of a request, in index order."""
+    return EngineOutput.collect_choices([d async for d in engine.stream(request)], request.n)

@@ -10,18 +10,26 @@ from adapters.vllm_common import OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact
 
 
-def _delta_from_output(out, started: bool) -> EngineDelta:
-    completion = out.outputs[0]
-    delta = EngineDelta(
-        text=completion.text,
-        token_ids=list(completion.token_ids),
-        finish_reason=completion.finish_reason,
-        prompt_tokens=None if started else len(out.prompt_token_ids or []),
-    )
-    for tok, position in zip(completion.token_ids, completion.logprobs or []):
-        delta.token_logprobs.append(float(position[tok].logprob) if tok in position else float("nan"))
-        delta.top_logprobs.append({int(t): float(lp.logprob) for t, lp in position.items()})
-    return delta
+def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
+    """One delta per completion with new output (n > 1 requests interleave their completions)."""
+    deltas = []
+    for completion in out.outputs:
+        delta = EngineDelta(
+            text=completion.text,
+            token_ids=list(completion.token_ids),
+            finish_reason=completion.finish_reason,
+            prompt_tokens=None if started else len(out.prompt_token_ids or []),
+            index=completion.index,
+        )
+        if not started and out.prompt_logprobs:
+            ids = out.prompt_token_ids or []
+            delta.prompt_logprobs = [float(p[t].logprob) if p and t in p else float("nan")
+                                     for t, p in zip(ids, out.prompt_logprobs)]
+        for tok, position in zip(completion.token_ids, completion.logprobs or []):
+            delta.token_logprobs.append(float(position[tok].logprob) if tok in position else float("nan"))
+            delta.top_logprobs.append({int(t): float(lp.logprob) for t, lp in position.items()})
+        deltas.append(delta)
+    return deltas
 
 
 class InProcessVLLMEngine:
@@ -30,7 +38,8 @@ class InProcessVLLMEngine:
         self.model_name = config.served_model_name
         self.artifact_version = load_artifact(config.artifact_path).manifest.artifact_version
         self.max_model_len = config.max_model_len
-        self._engines: dict[bool, object] = {}  # adapter? -> AsyncLLM
+        self.folded_scoring = config.folded_model_path is not None
+        self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" -> AsyncLLM
 
     async def start(self) -> None:
         """One engine on the base weights and, when the artifact has an adapter, one on base + adapter merged.
@@ -43,28 +52,44 @@ class InProcessVLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        paths = {False: self.config.model_path}
-        if self.config.merged_model_path:
-            paths[True] = self.config.merged_model_path
-        for adapted, path in paths.items():
-            args = AsyncEngineArgs(**self.config.engine_kwargs(path), disable_log_stats=True)
-            self._engines[adapted] = AsyncLLM.from_engine_args(args)
+        paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
+                 "folded": self.config.folded_model_path}
+        for weights, path in paths.items():
+            if path:
+                args = AsyncEngineArgs(**self.config.engine_kwargs(path), disable_log_stats=True)
+                self._engines[weights] = AsyncLLM.from_engine_args(args)
 
     def _engine_for(self, request: EngineRequest):
-        return self._engines.get(request.adapter) or self._engines.get(False)
+        if request.folded:
+            return self._engines.get("folded")
+        return self._engines.get("adapter" if request.adapter else "base") or self._engines.get("base")
 
     def _sampling_params(self, request: EngineRequest):
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        structured = None
+        if request.json_schema is not None:
+            structured = StructuredOutputsParams(json=request.json_schema)
+        elif request.json_object:
+            structured = StructuredOutputsParams(json_object=True)
         kwargs = dict(
+            n=request.n,
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=dict(request.logit_bias) or None,
+            structured_outputs=structured,
             seed=request.seed,
             stop=list(request.stop) or None,
             output_kind=RequestOutputKind.DELTA,
             extra_args=None if request.calibrated else {OPT_OUT_KEY: False},
+            prompt_logprobs=0 if request.prompt_logprobs else None,
         )
         if request.option_token_ids:
             kwargs.update(logprob_token_ids=list(request.option_token_ids))
@@ -88,7 +113,8 @@ class InProcessVLLMEngine:
         try:
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)} if request.prompt_token_ids else request.prompt
             async for out in engine.generate(prompt, params, request.request_id):
-                yield _delta_from_output(out, started)
+                for delta in _deltas_from_output(out, started):
+                    yield delta
                 started = True
         except ValueError as e:
             raise EngineRejected(str(e)) from None

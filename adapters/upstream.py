@@ -17,6 +17,10 @@ from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUn
 from adapters.vllm_common import OPT_OUT_KEY
 
 
+# vLLM's values meaning "off"; only parameters that differ from them are sent.
+_VLLM_DEFAULTS = dict(n=1, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+
+
 def _token_id(token: str) -> int:
     return int(token.rsplit(":", 1)[1])
 
@@ -30,6 +34,15 @@ def _payload(model: str, r: EngineRequest) -> dict:
     }
     if r.seed is not None:
         body["seed"] = r.seed
+    sampling = dict(n=r.n, top_k=r.top_k, min_p=r.min_p, presence_penalty=r.presence_penalty,
+                    frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty)
+    body.update({k: v for k, v in sampling.items() if v != _VLLM_DEFAULTS[k]})
+    if r.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in r.logit_bias}
+    if r.json_schema is not None:
+        body["structured_outputs"] = {"json": r.json_schema}
+    elif r.json_object:
+        body["structured_outputs"] = {"json_object": True}
     if r.stop:
         body["stop"] = list(r.stop)
     if r.option_token_ids:
@@ -44,20 +57,21 @@ def _payload(model: str, r: EngineRequest) -> dict:
     return body
 
 
-def _delta(chunk: dict) -> EngineDelta:
-    delta = EngineDelta()
-    if chunk.get("usage"):
-        delta.prompt_tokens = chunk["usage"].get("prompt_tokens")
+def _deltas(chunk: dict) -> list[EngineDelta]:
+    """One delta per choice in the chunk (n > 1 interleaves them); the usage chunk carries the prompt's length."""
+    if chunk.get("usage") and not chunk.get("choices"):
+        return [EngineDelta(prompt_tokens=chunk["usage"].get("prompt_tokens"))]
+    deltas = []
     for choice in chunk.get("choices") or []:
-        delta.text += choice.get("text") or ""
-        delta.finish_reason = choice.get("finish_reason") or delta.finish_reason
+        delta = EngineDelta(text=choice.get("text") or "", finish_reason=choice.get("finish_reason"),
+                            index=int(choice.get("index") or 0))
         lp = choice.get("logprobs") or {}
         for tok, tok_lp, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []):
-            tid = _token_id(tok)
-            delta.token_ids.append(tid)
+            delta.token_ids.append(_token_id(tok))
             delta.token_logprobs.append(float("nan") if tok_lp is None else float(tok_lp))
             delta.top_logprobs.append({_token_id(t): float(v) for t, v in (top or {}).items()})
-    return delta
+        deltas.append(delta)
+    return deltas
 
 
 class UpstreamVLLMEngine:
@@ -69,6 +83,7 @@ class UpstreamVLLMEngine:
         self.urls = [u.rstrip("/") for u in urls]
         self.model_name = model_name
         self.adapter_name = adapter_name  # the servers' name for the artifact's LoRA adapter (`calm engine` registers it)
+        self.folded_scoring = False  # a vLLM server serves one set of weights: options are scored token by token
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
@@ -100,7 +115,8 @@ class UpstreamVLLMEngine:
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise EngineUnavailable(f"upstream error: {chunk['error'].get('message')}")
-                    yield _delta(chunk)
+                    for delta in _deltas(chunk):
+                        yield delta
         except httpx.TimeoutException:
             raise EngineUnavailable(f"upstream {url} timed out") from None
         except httpx.TransportError as e:

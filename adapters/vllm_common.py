@@ -26,6 +26,7 @@ class EngineConfig:
     adapter_path: str | None = None  # the artifact's LoRA adapter, applied per request (vLLM LoRA; the server's way)
     adapter_rank: int = 0
     merged_model_path: str | None = None  # base + adapter merged: a second engine for adapter requests (in-process)
+    folded_model_path: str | None = None  # merged + α scales folded into the LM head: one-pass scoring (in-process)
 
     @property
     def max_lora_rank(self) -> int:

@@ -20,7 +20,7 @@ from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
     ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard, ModelList, PolicyOut,
 )
-from gateway.serving import CalibratedService, ServedArtifact
+from gateway.serving import CalibratedService, ServedArtifact, response_key
 from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
@@ -110,11 +110,14 @@ def create_app(
 
     @app.post("/v1/feedback")
     async def feedback(req: FeedbackRequest) -> FeedbackResponse:
-        found = store.get_response(req.response_id)
+        key = response_key(req.response_id, req.choice_index)
+        found = store.get_response(key)
         if found is None:
-            raise APIError(404, f"no response with id {req.response_id!r}", "not_found_error", "response_id")
+            what = f"choice {req.choice_index} of " if req.choice_index else ""
+            raise APIError(404, f"no {what}response with id {req.response_id!r}", "not_found_error",
+                           "choice_index" if req.choice_index and store.get_response(req.response_id) else "response_id")
         domain, _ = found
-        stored = store.add_feedback(req.response_id, req.correct)
+        stored = store.add_feedback(key, req.correct)
         if stored is None:
             raise APIError(409, f"response {req.response_id!r} already has different feedback", "conflict_error",
                            "correct")

@@ -76,6 +76,6 @@ def topk_entropy(top_logprobs: Sequence[dict[int, float]]) -> float:
         if lp.size == 0:
             continue
         p = np.exp(lp - lp.max())
-        p /= p.sum()
+        p = p[p > 0] / p.sum()  # tokens masked by top-k / min-p (-inf, or -9999 over HTTP) carry no mass
         values.append(float(-(p * np.log(p)).sum()))
     return float(np.mean(values)) if values else 0.0

@@ -42,12 +42,34 @@ def sse_error(status: int, message: str, type_: str) -> str:
     return f"data: {json.dumps(error_body(status, message, type_))}\n\ndata: [DONE]\n\n"
 
 
+# OpenAI and vLLM parameters the gateway refuses by design, with the reason a client is told.
+REFUSED_PARAMETERS = {
+    "tools": "tool calling needs an engine started with a tool-call parser; this gateway's engine has none",
+    "tool_choice": "tool calling needs an engine started with a tool-call parser; this gateway's engine has none",
+    "parallel_tool_calls": "tool calling needs an engine started with a tool-call parser; this gateway's engine has none",
+    "functions": "tool calling needs an engine started with a tool-call parser; this gateway's engine has none",
+    "function_call": "tool calling needs an engine started with a tool-call parser; this gateway's engine has none",
+    "suffix": "the served model has no fill-in-the-middle template (vLLM refuses it too)",
+    "best_of": "best-of sampling picks among completions by their raw likelihood, which bypasses the calibrated "
+               "confidence",
+    "use_beam_search": "beam search picks among completions by their raw likelihood, which bypasses the "
+                       "calibrated confidence",
+    "prompt_logprobs": "prompt log-probs are taken before the α head, so they are not calibrated",
+    "allowed_token_ids": "the gateway restricts tokens itself in multiple-choice mode; use `options`",
+    "logprob_token_ids": "the gateway chooses the scored tokens itself in multiple-choice mode; use `options`",
+    "vllm_xargs": "engine-level arguments are reserved for the gateway (they switch the α head)",
+}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
+    if first.get("type") == "extra_forbidden":
+        reason = REFUSED_PARAMETERS.get(loc[-1] if loc else "", "this gateway does not support it")
+        return f"unsupported parameter {param!r}: {reason}", param
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 

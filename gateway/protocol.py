@@ -9,14 +9,23 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from typing import Annotated
+
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints, field_validator, model_validator,
+)
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 
+MAX_CHOICES = 16  # n; each choice is a full generation
+MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
+MAX_STOP = 4
+
 
 class OpenAIModel(BaseModel):
-    # Unknown OpenAI parameters are accepted and ignored, as vLLM does; known ones are type-checked strictly.
-    model_config = ConfigDict(extra="allow")
+    # Every parameter the gateway honours is declared; anything else is refused with a 400 that names it (nothing is
+    # silently ignored). gateway/errors.py words the refusal, with the reason for parameters refused by design.
+    model_config = ConfigDict(extra="forbid")
 
 
 class CalmOptions(BaseModel):
@@ -28,6 +37,8 @@ class CalmOptions(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: StrictStr
 
@@ -35,27 +46,74 @@ class TextPart(BaseModel):
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart]
+    name: StrictStr | None = None  # accepted as OpenAI does; the chat template has no place for it
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class StreamOptions(OpenAIModel):
+    include_usage: StrictBool = False  # a last chunk with the usage and no choices
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: StrictStr | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+
 class SamplingFields(OpenAIModel):
     model: StrictStr
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: StrictInt = Field(default=1, ge=1, le=1)  # one choice per request
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM: 0 or -1 = off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
-    stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=MAX_STOP)
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    response_format: ResponseFormat | None = None
+    user: StrictStr | None = None  # an end-user id, as OpenAI takes it; not used for the answer
     metadata: dict[StrictStr, StrictStr] | None = None
     options: list[StrictStr] | None = Field(default=None, min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
     calm: CalmOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def shaping_parameters(self) -> list[str]:
+        """Parameters that shape token sampling, set to something other than "off" (multiple choice refuses them)."""
+        off = dict(top_p=(None, 1.0), top_k=(None, 0, -1), min_p=(None, 0.0), presence_penalty=(None, 0.0),
+                   frequency_penalty=(None, 0.0), repetition_penalty=(None, 1.0), logit_bias=(None, {}))
+        named = [name for name, values in off.items() if getattr(self, name) not in values]
+        if self.response_format is not None and self.response_format.type != "text":
+            named.append("response_format")
+        return named
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -63,7 +121,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("messages")
     @classmethod
@@ -72,11 +130,18 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("messages must contain at least one non-empty user message")
         return messages
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
 
 class CompletionRequest(SamplingFields):
     prompt: StrictStr | list[StrictStr]
     max_tokens: StrictInt = Field(default=16, ge=1)
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
@@ -119,11 +184,36 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat shape: one entry per generated token (multiple choice: one, the option letter)."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape."""
+
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: dict | None = None
+    logprobs: ChatLogprobs | None = None
     calibration: Calibration
 
 
@@ -140,7 +230,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: dict | None = None
+    logprobs: CompletionLogprobs | None = None
     calibration: Calibration
 
 
@@ -170,6 +260,7 @@ class FeedbackRequest(BaseModel):
 
     response_id: StrictStr = Field(min_length=1)
     correct: StrictBool
+    choice_index: StrictInt = Field(default=0, ge=0, lt=MAX_CHOICES)  # which choice of an n > 1 response
 
 
 class FeedbackResponse(BaseModel):

@@ -15,10 +15,13 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from adapters.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate
+from adapters.engine import (
+    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate, generate_choices,
+)
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from gateway.confidence import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError, sse_error
+from gateway.logprobs import Position, chat_logprobs, completion_logprobs, option_position, token_positions
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, resolve
 from gateway.prompting import PreparedPrompt, prepare_chat, prepare_completion
@@ -63,9 +66,10 @@ class ServedArtifact:
 
 @dataclass
 class OptionChoice:
-    """A multiple-choice decision: the calibrated options' distribution, the raw one if asked, and the token counts."""
+    """Multiple-choice decisions: the calibrated options' distribution with one chosen option per requested choice,
+    the raw distribution if asked, and the token counts."""
 
-    dist: OptionDistribution
+    dists: list[OptionDistribution]
     raw_probs: np.ndarray | None
     prompt_tokens: int
     completion_tokens: int
@@ -73,14 +77,32 @@ class OptionChoice:
 
 @dataclass
 class Answer:
-    """Everything a response needs, whatever its wire format."""
+    """One choice of a response, whatever its wire format."""
 
     text: str
     finish_reason: str | None
     calibration: Calibration
-    prompt_tokens: int
     completion_tokens: int
-    logprobs: list[float]
+    positions: list[Position]
+
+
+@dataclass
+class Served:
+    """A whole response: its id, one answer per choice, and the prompt's token count."""
+
+    response_id: str
+    answers: list[Answer]
+    prompt_tokens: int
+
+    def usage(self) -> UsageInfo:
+        completion = sum(a.completion_tokens for a in self.answers)
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion,
+                         total_tokens=self.prompt_tokens + completion)
+
+
+def response_key(response_id: str, choice_index: int) -> str:
+    """The stored id of one choice (feedback names a response and, for n > 1, a choice)."""
+    return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
 
 
 class CalibratedService:
@@ -109,6 +131,10 @@ class CalibratedService:
         if max_tokens > self.settings.max_tokens_limit:
             raise APIError(400, f"max_tokens {max_tokens} exceeds this gateway's limit of {self.settings.max_tokens_limit}",
                            param="max_tokens", code="max_tokens_exceeded")
+        if prompt.multiple_choice and (shaping := req.shaping_parameters()):
+            raise APIError(400, f"{shaping[0]} does not apply to multiple-choice answers (the answer is an option "
+                           "chosen from the options' calibrated distribution; temperature and seed apply)",
+                           param=shaping[0])
         if prompt.cloze:
             # The longest scoring request: the prompt and all but the last token of the longest option, plus one.
             n_prompt, budget = len(prompt.cloze.prompt) + max(map(len, prompt.cloze.options)) - 1, 1
@@ -122,14 +148,31 @@ class CalibratedService:
         # The artifact's weights and head serve the answers they were fitted for.
         fitted = prompt.multiple_choice or not self.artifact.multiple_choice_only
         common = dict(request_id=uuid.uuid4().hex, prompt=prompt.text, temperature=req.temperature or 0.0,
-                      top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted, adapter=fitted and self.artifact.has_adapter)
+                      top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted, adapter=fitted and self.artifact.has_adapter,
+                      n=req.n)
         if prompt.cloze:
             return EngineRequest(**common, max_tokens=1)  # a template: choose_option sends one request per option token
         if prompt.multiple_choice:
             ids = tuple(self.letter_ids[letter] for letter in prompt.option_letters)
             return EngineRequest(**common, max_tokens=1, option_token_ids=ids)
         return EngineRequest(**common, max_tokens=max_tokens, stop=req.stop_list(),
-                             top_logprobs=max(top_logprobs, self.settings.default_top_logprobs))
+                             top_logprobs=max(top_logprobs, self.settings.default_top_logprobs),
+                             **self._shaping(req))
+
+    def _shaping(self, req: SamplingFields) -> dict:
+        """Free-form sampling parameters for the engine, checked where the engine's own error would not name them."""
+        bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for t, _ in bias):
+            raise APIError(400, f"logit_bias names a token id outside the vocabulary (size {vocab})", param="logit_bias")
+        fmt = req.response_format
+        return dict(
+            top_k=req.top_k if req.top_k not in (None, -1) else 0, min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0, logit_bias=bias,
+            json_schema=json.dumps(fmt.json_schema.schema_) if fmt is not None and fmt.type == "json_schema" else None,
+            json_object=fmt is not None and fmt.type == "json_object",
+        )
 
     # -- confidence and policy -----------------------------------------------------------------------------------
     def wants_raw(self, req: SamplingFields) -> bool:
@@ -138,54 +181,67 @@ class CalibratedService:
         return self.settings.raw_confidence
 
     async def choose_option(self, prompt: PreparedPrompt, request: EngineRequest, with_raw: bool) -> OptionChoice:
-        """The calibrated options' distribution and, if asked, the raw model's (the same requests, α head skipped)."""
+        """The calibrated options' distribution (one chosen option per choice) and, if asked, the raw model's
+        (the same requests, α head skipped)."""
         if prompt.cloze:
             runs = [score_cloze(self.engine, prompt.cloze, request, calibrated=True)]
             if with_raw:
                 raw_request = replace(request, request_id=request.request_id + "-raw")
                 runs.append(score_cloze(self.engine, prompt.cloze, raw_request, calibrated=False))
             scores = await asyncio.gather(*runs)
-            dist = options_softmax(scores[0], self._sample_option(scores[0], request))
+            dists = [options_softmax(scores[0], chosen) for chosen in self._sample_options(scores[0], request)]
             raw = options_softmax(scores[1]).probs if with_raw else None
             read = len(prompt.cloze.prompt) + sum(map(len, prompt.cloze.options))
-            return OptionChoice(dist, raw, read, 0)
+            return OptionChoice(dists, raw, read, 0)
         ids = [self.letter_ids[letter] for letter in prompt.option_letters]
         if with_raw:
-            raw_request = replace(request, request_id=request.request_id + "-raw", calibrated=False)
-            out, raw_out = await asyncio.gather(generate(self.engine, request), generate(self.engine, raw_request))
+            raw_request = replace(request, request_id=request.request_id + "-raw", calibrated=False, n=1)
+            outs, raw_out = await asyncio.gather(generate_choices(self.engine, request), generate(self.engine, raw_request))
         else:
-            out, raw_out = await generate(self.engine, request), None
-        chosen = out.token_ids[0] if out.token_ids else None
-        dist = option_distribution(out.top_logprobs[0] if out.top_logprobs else {}, ids, chosen)
+            outs, raw_out = await generate_choices(self.engine, request), None
+        dists = [option_distribution(out.top_logprobs[0] if out.top_logprobs else {}, ids,
+                                     out.token_ids[0] if out.token_ids else None) for out in outs]
         raw = option_distribution(raw_out.top_logprobs[0], ids).probs if raw_out is not None and raw_out.top_logprobs else None
-        return OptionChoice(dist, raw, out.prompt_tokens, len(out.token_ids))
+        return OptionChoice(dists, raw, outs[0].prompt_tokens, sum(len(o.token_ids) for o in outs))
 
     @staticmethod
-    def _sample_option(scores: np.ndarray, request: EngineRequest) -> int | None:
-        """Greedy requests take the most probable option (None); others sample softmax(scores / temperature)."""
+    def _sample_options(scores: np.ndarray, request: EngineRequest) -> list[int | None]:
+        """Greedy requests take the most probable option (None) every time; others sample n options from
+        softmax(scores / temperature)."""
         if request.temperature <= 0:
-            return None
+            return [None] * request.n
         p = options_softmax(scores / request.temperature).probs
-        return int(np.random.default_rng(request.seed).choice(len(p), p=p))
+        return [int(i) for i in np.random.default_rng(request.seed).choice(len(p), size=request.n, p=p)]
 
     def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:
         policy, name = self.policies.for_domain(domain)
         return resolve(policy, name, self.monitor.reference(domain), requested_threshold)
 
-    def option_answer(self, prompt: PreparedPrompt, choice: OptionChoice, domain: str, policy: ResolvedPolicy) -> Answer:
-        dist = choice.dist
-        options = [OptionProbability(label=l, probability=float(p)) for l, p in zip(prompt.option_letters, dist.probs)]
-        raw_conf = float(choice.raw_probs[dist.chosen]) if choice.raw_probs is not None else None
-        calibration = self._calibration(dist.confidence, raw_conf, dist.entropy, "multiple_choice", options, domain, policy)
-        # The answer's one log-prob is the chosen option's, under the options' distribution, whatever the format.
-        return Answer(policy.message if calibration.abstained else prompt.option_letters[dist.chosen], "stop",
-                      calibration, choice.prompt_tokens, choice.completion_tokens, [math.log(dist.confidence)])
+    def option_answers(self, prompt: PreparedPrompt, choice: OptionChoice, domain: str, policy: ResolvedPolicy) -> list[Answer]:
+        answers = []
+        letters = prompt.option_letters
+        for dist in choice.dists:
+            options = [OptionProbability(label=l, probability=float(p)) for l, p in zip(letters, dist.probs)]
+            raw_conf = float(choice.raw_probs[dist.chosen]) if choice.raw_probs is not None else None
+            calibration = self._calibration(dist.confidence, raw_conf, dist.entropy, "multiple_choice", options, domain, policy)
+            # The answer's one log-prob is the chosen option's, under the options' distribution, whatever the format.
+            answers.append(Answer(policy.message if calibration.abstained else letters[dist.chosen], "stop", calibration,
+                                  choice.completion_tokens // len(choice.dists),
+                                  [option_position(letters, dist.probs, dist.chosen)]))
+        return answers
 
     def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy) -> Answer:
         confidence = sequence_confidence(out.token_logprobs)
         calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy)
         return Answer(policy.message if calibration.abstained else out.text, out.finish_reason, calibration,
-                      out.prompt_tokens, len(out.token_ids), out.token_logprobs)
+                      len(out.token_ids), self.positions(out))
+
+    def positions(self, out: EngineOutput) -> list[Position]:
+        return token_positions(out.token_ids, out.token_logprobs, out.top_logprobs, self.token_text)
+
+    def token_text(self, token_id: int) -> str:
+        # vLLM's OpenAI server decodes each token alone (byte-level BPE tokenizers need no leading-space repair).
+        return self.tokenizer.decode([token_id])
 
     def _calibration(self, confidence: float, raw_conf: float | None, entropy: float, mode: str, options,
                      domain: str, policy: ResolvedPolicy) -> Calibration:
@@ -203,86 +259,97 @@ class CalibratedService:
         self.check_model(req.model)
         prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        served = await self._serve(req, domain, prompt, max_tokens, req.top_logprobs or 0, "chatcmpl", "chat.completion.chunk")
-        if not isinstance(served, tuple):
+        view = WireView(chat=True, model=req.model, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        served = await self._serve(req, domain, prompt, max_tokens, req.top_logprobs or 0, view)
+        if not isinstance(served, Served):
             return served
-        response_id, answer = served
         return ChatCompletionResponse(
-            id=response_id, model=req.model,
-            choices=[ChatChoice(message=ChatMessageOut(content=answer.text), finish_reason=answer.finish_reason,
-                                logprobs=_logprobs(answer) if req.logprobs else None, calibration=answer.calibration)],
-            usage=_usage(answer),
+            id=served.response_id, model=req.model, usage=served.usage(),
+            choices=[ChatChoice(index=i, message=ChatMessageOut(content=a.text), finish_reason=a.finish_reason,
+                                logprobs=view.chat_logprobs(a.positions), calibration=a.calibration)
+                     for i, a in enumerate(served.answers)],
         )
 
     async def completion(self, req: CompletionRequest, domain: str):
         self.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs would return the prompt's log-probs, which are taken before the α "
+                           "head (not calibrated); ask for one of them", param="echo")
         prompt = prepare_completion(self.tokenizer, req, self.artifact.answer_format)
-        served = await self._serve(req, domain, prompt, req.max_tokens, req.logprobs or 0, "cmpl", "text_completion")
-        if not isinstance(served, tuple):
+        view = WireView(chat=False, model=req.model, logprobs=req.logprobs, echo=req.prompt if req.echo else "")
+        served = await self._serve(req, domain, prompt, req.max_tokens, req.logprobs or 0, view)
+        if not isinstance(served, Served):
             return served
-        response_id, answer = served
         return CompletionResponse(
-            id=response_id, model=req.model,
-            choices=[CompletionChoice(text=answer.text, finish_reason=answer.finish_reason,
-                                      logprobs=_logprobs(answer) if req.logprobs is not None else None,
-                                      calibration=answer.calibration)],
-            usage=_usage(answer),
+            id=served.response_id, model=req.model, usage=served.usage(),
+            choices=[CompletionChoice(index=i, text=view.echo + a.text, finish_reason=a.finish_reason,
+                                      logprobs=view.completion_logprobs(a.positions), calibration=a.calibration)
+                     for i, a in enumerate(served.answers)],
         )
 
     async def _serve(self, req: SamplingFields, domain: str, prompt: PreparedPrompt, max_tokens: int, top: int,
-                     id_prefix: str, chunk_kind: str):
-        """(response id, Answer), or the SSE stream when the request streams."""
+                     view: "WireView"):
+        """The Served response, or the SSE stream when the request streams."""
         request = self.engine_request(req, prompt, max_tokens, top)
         policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
-        response_id = f"{id_prefix}-{request.request_id}"
+        response_id = f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}"
         if req.stream:
-            return self._stream(response_id, chunk_kind, req.model, prompt, request, domain, policy, self.wants_raw(req))
-        return response_id, await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req))
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return self._stream(response_id, view, prompt, request, domain, policy, self.wants_raw(req), usage)
+        return await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req))
 
-    async def _complete(self, prompt, request, domain, policy, response_id, with_raw) -> Answer:
+    async def _complete(self, prompt, request, domain, policy, response_id, with_raw) -> Served:
         if prompt.multiple_choice:
-            answer = self.option_answer(prompt, await self.choose_option(prompt, request, with_raw), domain, policy)
+            choice = await self.choose_option(prompt, request, with_raw)
+            served = Served(response_id, self.option_answers(prompt, choice, domain, policy), choice.prompt_tokens)
         else:
-            answer = self.free_answer(await generate(self.engine, request), domain, policy)
-        self.store.record_response(response_id, domain, answer.calibration.confidence)
-        return answer
+            outs = await generate_choices(self.engine, request)
+            served = Served(response_id, [self.free_answer(o, domain, policy) for o in outs], outs[0].prompt_tokens)
+        self._record(served, domain)
+        return served
 
-    async def _stream(self, response_id, kind, model, prompt, request, domain, policy, with_raw) -> AsyncIterator[str]:
-        """SSE chunks in OpenAI's shape; the calibration object arrives with the final chunk.
+    def _record(self, served: Served, domain: str) -> None:
+        for i, answer in enumerate(served.answers):
+            self.store.record_response(response_key(served.response_id, i), domain, answer.calibration.confidence)
+
+    async def _stream(self, response_id, view, prompt, request, domain, policy, with_raw, include_usage) -> AsyncIterator[str]:
+        """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk.
 
         Multiple choice and abstain policies need the whole answer before any text may be shown, so those are
         buffered; free-form answers under an annotate policy stream token by token.
         """
-        chat = kind == "chat.completion.chunk"
         created = int(time.time())
 
-        def chunk(text: str | None, finish: str | None = None, calibration: Calibration | None = None, first=False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish}
-            if calibration is not None:
-                choice["calibration"] = calibration.model_dump()
-            body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+        def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
+            body = {"id": response_id, "object": view.chunk_object, "created": created, "model": view.model,
+                    "choices": choices}
+            if usage is not None:
+                body["usage"] = usage.model_dump()
             return f"data: {json.dumps(body)}\n\n"
 
         try:
-            if chat:
-                yield chunk(None, first=True)
+            if view.chat:
+                yield chunk([view.role_delta(i) for i in range(request.n)])
             if prompt.multiple_choice or policy.action is Action.ABSTAIN:
-                answer = await self._complete(prompt, request, domain, policy, response_id, with_raw)
-                yield chunk(answer.text)
-                yield chunk(None, answer.finish_reason, answer.calibration)
+                served = await self._complete(prompt, request, domain, policy, response_id, with_raw)
+                for i, answer in enumerate(served.answers):
+                    yield chunk([view.delta(i, answer.text, answer.positions, first=True)])
+                    yield chunk([view.finish(i, answer)])
             else:
-                deltas = []
+                deltas, started = [], set()
                 async for delta in self.engine.stream(request):
                     deltas.append(delta)
-                    if delta.text:
-                        yield chunk(delta.text)
-                answer = self.free_answer(EngineOutput.collect(deltas), domain, policy)
-                self.store.record_response(response_id, domain, answer.calibration.confidence)
-                yield chunk(None, answer.finish_reason, answer.calibration)
+                    if delta.text or delta.token_ids:
+                        positions = self.positions(EngineOutput.collect([delta]))
+                        yield chunk([view.delta(delta.index, delta.text, positions, first=delta.index not in started)])
+                        started.add(delta.index)
+                outs = EngineOutput.collect_choices(deltas, request.n)
+                served = Served(response_id, [self.free_answer(o, domain, policy) for o in outs], outs[0].prompt_tokens)
+                self._record(served, domain)
+                for i, answer in enumerate(served.answers):
+                    yield chunk([view.finish(i, answer)])
+            if include_usage:
+                yield chunk([], served.usage())
             yield "data: [DONE]\n\n"
         except EngineUnavailable as e:
             yield sse_error(503, f"model engine unavailable: {e}", "service_unavailable_error")
@@ -291,6 +358,53 @@ class CalibratedService:
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
+
+
+@dataclass
+class WireView:
+    """How answers look on the wire for one request: chat or completions, log-probs asked (top-k count, or None for
+    none), and the echoed prompt (completions)."""
+
+    chat: bool
+    model: str
+    logprobs: int | None
+    echo: str = ""
+    _offsets: dict[int, int] | None = None
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chat_logprobs(self, positions: list[Position]):
+        return chat_logprobs(positions, self.logprobs) if self.logprobs is not None else None
+
+    def completion_logprobs(self, positions: list[Position], text_offset: int = 0):
+        return completion_logprobs(positions, self.logprobs, text_offset) if self.logprobs is not None else None
+
+    def role_delta(self, index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, text: str, positions: list[Position], first: bool) -> dict:
+        if self.chat:
+            lp = self.chat_logprobs(positions)
+            return {"index": index, "delta": {"content": text} if text else {},
+                    "logprobs": lp.model_dump() if lp is not None else None, "finish_reason": None}
+        offsets = self._offsets if self._offsets is not None else {}
+        self._offsets = offsets
+        prefix = self.echo if first else ""
+        lp = self.completion_logprobs(positions, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + sum(len(p.token) for p in positions)
+        return {"index": index, "text": prefix + text, "logprobs": lp.model_dump() if lp is not None else None,
+                "finish_reason": None}
+
+    def finish(self, index: int, answer: Answer) -> dict:
+        body = {"index": index, "finish_reason": answer.finish_reason, "logprobs": None,
+                "calibration": answer.calibration.model_dump()}
+        if self.chat:
+            body["delta"] = {}
+        else:
+            body["text"] = ""
+        return body
 
 
 async def score_cloze(engine: EngineClient, tokens: ClozeTokens, request: EngineRequest, calibrated: bool) -> np.ndarray:
@@ -312,12 +426,3 @@ async def score_cloze(engine: EngineClient, tokens: ClozeTokens, request: Engine
             raise EngineUnavailable("the engine returned no log-prob for an option token")
         per_option[k].append(out.top_logprobs[0][token])
     return cloze_scores(per_option)
-
-
-def _usage(answer: Answer) -> UsageInfo:
-    return UsageInfo(prompt_tokens=answer.prompt_tokens, completion_tokens=answer.completion_tokens,
-                     total_tokens=answer.prompt_tokens + answer.completion_tokens)
-
-
-def _logprobs(answer: Answer) -> dict:
-    return {"token_logprobs": [lp if math.isfinite(lp) else None for lp in answer.logprobs]}

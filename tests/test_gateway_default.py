@@ -76,7 +76,7 @@ def test_free_form_answers_come_from_the_base_model(client):
                                        max_tokens=10, logprobs=True)
     cal = calibration(r.choices[0])
     assert "Paris" in r.choices[0].message.content and cal["mode"] == "free_form"
-    lps = r.choices[0].logprobs.model_extra["token_logprobs"]
+    lps = [t.logprob for t in r.choices[0].logprobs.content]
     assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(lps))), rel=1e-6) and cal["confidence"] > 0.5
 
 

@@ -109,7 +109,7 @@ def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                        max_tokens=12, logprobs=True)
     choice = r.choices[0]
-    lps = choice.logprobs.model_extra["token_logprobs"]
+    lps = [t.logprob for t in choice.logprobs.content]
     cal = calibration(choice)
     assert cal["mode"] == "free_form" and choice.message.content
     assert len(lps) == r.usage.completion_tokens > 0
@@ -208,7 +208,15 @@ def error_of(resp: httpx.Response, status: int) -> dict:
         ({"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, 400, "non-empty user message"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, "limit"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 4000}]}, 400, "maximum context length"),
-        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400, "unsupported parameter 'best_of'"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "needs logprobs"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
+         400, "stream is true"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}, 400,
+         "outside the vocabulary"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "Which?"}], "options": ["a", "b"], "logit_bias": {"5": 1}},
+         400, "logit_bias does not apply to multiple-choice"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "options": ["only one"]}, 400, "options"),
     ],
 )

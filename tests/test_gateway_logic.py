@@ -88,6 +88,9 @@ def test_sequence_confidence_is_geometric_mean():
 def test_topk_entropy():
     assert topk_entropy([{1: math.log(0.5), 2: math.log(0.5)}]) == pytest.approx(math.log(2))
     assert topk_entropy([{1: 0.0}, {1: math.log(0.25), 2: math.log(0.25)}]) == pytest.approx(math.log(2) / 2)
+    # Tokens masked by top-k / min-p come back as -inf in-process and as -9999 over HTTP: no mass, no NaN.
+    for masked in (-math.inf, -9999.0):
+        assert topk_entropy([{1: math.log(0.5), 2: math.log(0.5), 3: masked}]) == pytest.approx(math.log(2))
 
 
 def test_psi_and_ks():
@@ -177,3 +180,28 @@ def test_store_feedback_is_idempotent(tmp_path):
     assert store.add_feedback("r1", True) is False
     assert store.add_feedback("r1", False) is None
     assert store.recent_feedback("science") == ([0.8], [True])
+
+
+def test_logprobs_follow_vllms_wire_rules():
+    from gateway.logprobs import chat_logprobs, completion_logprobs, option_position, token_positions
+
+    text = {1: "a", 2: "b", 3: "c", 4: "d"}.__getitem__
+    # The sampled token (3) first, then the rest by rank, as the engine's dict orders them.
+    sampled_third = token_positions([3], [-2.0], [{3: -2.0, 1: -0.5, 2: -1.0, 4: -math.inf}], text)
+    greedy = token_positions([1], [-0.5], [{1: -0.5, 2: -1.0, 3: -2.0, 4: -math.inf}], text)
+    chat = chat_logprobs(sampled_third, 2).content[0]
+    assert (chat.token, chat.logprob, chat.bytes) == ("c", -2.0, [99])
+    assert [t.token for t in chat.top_logprobs] == ["c", "a"]  # chat: the first top_logprobs entries
+    # Completions: the sampled token plus the top k, so k + 1 entries unless the sampled token is in the top k.
+    assert list(completion_logprobs(sampled_third, 2).top_logprobs[0]) == ["c", "a", "b"]
+    assert list(completion_logprobs(greedy, 2).top_logprobs[0]) == ["a", "b"]
+    assert list(completion_logprobs(greedy, 0).top_logprobs[0]) == ["a"]
+    masked = completion_logprobs(token_positions([4], [-math.inf], [{4: -math.inf, 1: -0.5}], text), 1)
+    assert masked.token_logprobs == [-9999.0] and masked.top_logprobs[0] == {"d": -9999.0, "a": -0.5}  # -inf: no JSON
+    two = token_positions([1, 2], [-0.5, -0.1], [{1: -0.5}, {2: -0.1}], {1: "ab", 2: "cde"}.__getitem__)
+    assert completion_logprobs(two, 0, text_offset=4).text_offset == [4, 6]
+    # Multiple choice: one position, the chosen letter first, then the options by probability.
+    mc = option_position("ABC", [0.2, 0.5, 0.3], chosen=0)
+    assert mc.token == "A" and mc.logprob == pytest.approx(math.log(0.2))
+    assert [t for t, _ in mc.alternatives] == ["A", "B", "C"]
+    assert [t for t, _ in option_position("ABC", [0.2, 0.5, 0.3], chosen=1).alternatives] == ["B", "C", "A"]
