@@ -105,9 +105,12 @@ class InProcessVLLMEngine:
         engine = self._engine_for(request)
         if engine is None or engine.errored:
             raise EngineUnavailable("the in-process vLLM engine is not running")
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             params = self._sampling_params(request)
-        except ValueError as e:
+        except (VLLMClientError, ValueError) as e:
             raise EngineRejected(str(e)) from None
         started = False
         try:
@@ -116,14 +119,16 @@ class InProcessVLLMEngine:
                 for delta in _deltas_from_output(out, started):
                     yield delta
                 started = True
-        except ValueError as e:
+        except VLLMClientError as e:
             raise EngineRejected(str(e)) from None
-        except Exception as e:
-            from vllm.v1.engine.exceptions import EngineDeadError
-
-            if isinstance(e, EngineDeadError):
-                raise EngineUnavailable(f"the in-process vLLM engine died: {e}") from None
-            raise
+        except EngineDeadError as e:
+            raise EngineUnavailable(f"the in-process vLLM engine died: {e}") from None
+        except ValueError as e:
+            # vLLM validates a request (structured-output schemas among others) with plain ValueErrors when it is
+            # submitted; once output has arrived, a ValueError is a fault, not the caller's: a 500.
+            if started:
+                raise
+            raise EngineRejected(str(e)) from None
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -1,10 +1,20 @@
-"""An artifact's LoRA adapter merged into the base weights once, as a plain HF folder that vLLM loads on CPU and GPU
-alike, cached by artifact version: the in-process gateway serves adapter requests from a second engine on it."""
+"""Served copies of the weights, built once per artifact as plain HF folders that vLLM loads on CPU and GPU alike:
+
+- merged: the artifact's LoRA adapter merged into the base weights (the in-process gateway serves adapter requests
+  from a second engine on it);
+- folded: the same, with the α head's scales folded into the LM head's rows (row v times d_v), so that the model's
+  own logits are the calibrated ones, d ⊙ z. Exact whenever the shifts l are one constant (a constant shift does not
+  change a softmax): scalar heads and per-token scale-only heads. Then vLLM's prompt log-probs, which skip logits
+  processors, are calibrated, and a cloze option is scored in one request.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import LoadedArtifact
 from calm_core.atomic import atomic_dir
 from calm_core.paths import calm_home
@@ -25,5 +35,36 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
     with atomic_dir(target) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
+    return target
+
+
+def foldable(head: AlphaHead) -> bool:
+    """Whether d ⊙ z + l can live in the LM head's weights: l must be the same for every token."""
+    return bool(np.all(head.shift == head.shift[0]))
+
+
+def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
+    """Base (+ adapter merged) with LM-head row v scaled by d_v; tied input embeddings are untied first."""
+    if not foldable(artifact.head):
+        raise ValueError(f"artifact {artifact.manifest.artifact_version} has per-token shifts: its head cannot be folded")
+    target = (home or calm_home()) / "folded" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = merged_model_dir(base_model_path, artifact, home)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    scale = torch.as_tensor(artifact.head.scale, dtype=torch.float32)[:, None]
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight.detach().clone() * scale
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        model.lm_head.weight = torch.nn.Parameter(weight)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
     return target

@@ -33,6 +33,7 @@ def worker(method: str, inner_steps: int, steps: int, warmup: int) -> dict:
     import torch
 
     from training.config import load_config
+    from training.methods import METHODS
     from training.trainer import Trainer
 
     torch.set_num_threads(2)
@@ -40,7 +41,11 @@ def worker(method: str, inner_steps: int, steps: int, warmup: int) -> dict:
                       split=str(ROOT / "configs/splits/smoke.toml"), out_dir="/tmp/calm-bench-step",
                       steps=10_000, eval_every=10_000, checkpoint_every=10_000)
     trainer = Trainer(cfg, show_progress=False).setup()
-    step = getattr(trainer, f"step_{method}")
+    spec = METHODS[method]
+
+    def step():
+        return spec.step(trainer)
+
     for _ in range(warmup):
         step()
     rss_before = _vm("VmRSS")

@@ -96,34 +96,47 @@ def split_show(path: Path):
 @app.command("eval")
 @one_line_errors
 def eval_cmd(
-    dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="name[:split], repeatable")] = [],
+    dataset: Annotated[list[str], typer.Option("--dataset", "-d", help="name[:split] or a .jsonl file, repeatable")] = [],
     all_mc: Annotated[bool, typer.Option(help="every multiple-choice dataset, default splits")] = False,
-    model: Annotated[Optional[str], typer.Option(help="model folder or hub id; default: embedded")] = None,
-    artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact to apply")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model folder or hub id (default: embedded); with --gateway, "
+                                                      "the served model name (default: the first it lists)")] = None,
+    artifact: Annotated[Optional[Path], typer.Option(help="artifact to score as the gateway serves it (adapter, "
+                                                          "answer format, α head)")] = None,
+    answer_format: Annotated[Optional[str], typer.Option(help="letter or cloze (default: the artifact's, else letter)")] = None,
+    gateway: Annotated[Optional[str], typer.Option(help="evaluate a running gateway at this URL instead")] = None,
+    api_key: Annotated[str, typer.Option(envvar="CALM_API_KEY", help="API key for --gateway")] = "unused",
+    concurrency: Annotated[int, typer.Option(help="requests in flight with --gateway")] = 8,
     limit: Annotated[int, typer.Option(help="questions per dataset (0 = all)")] = 300,
     seed: int = 0,
-    batch_size: int = 16,
+    batch_size: int = 8,
     dtype: str = "float32",
     out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/eval"),
 ):
-    """Score a model on multiple-choice sets; write report.json, report.md and reliability.png."""
+    """Score multiple-choice sets offline (a model, or an artifact as served) or through a live gateway; write
+    report.json, report.md, reliability.png and each question's option probabilities."""
     from calm_core.data import MC_DATASETS
-    from training.evaluate import DatasetSpec, EvalConfig, run_eval
+    from training.evaluate import DatasetSpec
 
     names = list(dataset) + (list(MC_DATASETS) if all_mc else [])
     if not names:
         raise CalmError("name at least one --dataset, or pass --all-mc")
-    cfg = EvalConfig(
-        datasets=tuple(DatasetSpec.parse(n) for n in names),
-        model=model,
-        artifact=str(artifact) if artifact else None,
-        limit=limit or None,
-        seed=seed,
-        batch_size=batch_size,
-        dtype=dtype,
-        out_dir=str(out),
-    )
-    summary = run_eval(cfg)
+    if answer_format not in (None, "letter", "cloze"):
+        raise CalmError(f"--answer-format must be letter or cloze, not {answer_format!r}")
+    specs = tuple(DatasetSpec.parse(n) for n in names)
+    if gateway:
+        if artifact or answer_format:
+            raise CalmError("--gateway evaluates what the gateway serves: --artifact and --answer-format do not apply")
+        from training.gateway_eval import GatewayEvalConfig, run_gateway_eval
+
+        summary = run_gateway_eval(GatewayEvalConfig(url=gateway, datasets=specs, api_key=api_key, model=model,
+                                                     limit=limit or None, seed=seed, concurrency=concurrency,
+                                                     out_dir=str(out)))
+    else:
+        from training.evaluate import EvalConfig, run_eval
+
+        summary = run_eval(EvalConfig(datasets=specs, model=model, artifact=str(artifact) if artifact else None,
+                                      answer_format=answer_format, limit=limit or None, seed=seed,
+                                      batch_size=batch_size, dtype=dtype, out_dir=str(out)))
     typer.echo((out / "report.md").read_text())
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png  ({len(summary['results'])} datasets)")
 

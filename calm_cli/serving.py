@@ -34,19 +34,22 @@ def load_checked(model: ResolvedModel, artifact_path: Path):
 def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None, merged: bool = False):
     """The base model and the α head as the logits processor; each request chooses base or adapted weights. The
     artifact's LoRA adapter (if any) is served merged into a second in-process engine (`merged=True`) or as a vLLM
-    LoRA (the `calm engine` server)."""
-    from adapters.merged_weights import merged_model_dir
+    LoRA (the `calm engine` server). In-process, a cloze head that folds into the LM head gets a third engine on the
+    folded weights (one-pass option scoring, adapters/merged_weights.py)."""
+    from adapters.merged_weights import foldable, folded_model_dir, merged_model_dir
     from adapters.vllm_common import EngineConfig
 
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
     adapter = artifact.adapter_dir
     common = dict(model_path=str(model.path), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
                   dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2)
-    if adapter is None:
-        return EngineConfig(**common)
-    if merged:
-        return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)))
-    return EngineConfig(**common, adapter_path=str(adapter), adapter_rank=artifact.adapter_rank)
+    if not merged:
+        if adapter is None:
+            return EngineConfig(**common)
+        return EngineConfig(**common, adapter_path=str(adapter), adapter_rank=artifact.adapter_rank)
+    one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
+    return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)) if adapter else None,
+                        folded_model_path=str(folded_model_dir(model.path, artifact)) if one_pass else None)
 
 
 def build_gateway(settings):

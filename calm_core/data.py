@@ -101,11 +101,17 @@ def parse_mc(row: dict, where: str) -> MCQuestion:
     answer = _require(row, "answer", int, where)
     if not 0 <= answer < len(choices):
         raise DataError(f"{where}: answer index {answer} out of range for {len(choices)} choices")
+    question = _require(row, "question", str, where)
+    context = row.get("context")
+    if context is not None:  # reading comprehension: the passage goes before the question
+        if not isinstance(context, str):
+            raise DataError(f"{where}: field 'context' must be str, got {type(context).__name__}")
+        question = f"{context.strip()}\n\n{question}" if context.strip() else question
     return MCQuestion(
         id=_require(row, "id", str, where),
         dataset=_require(row, "dataset", str, where),
         split=str(row.get("split", "")),
-        question=_require(row, "question", str, where),
+        question=question,
         choices=tuple(choices),
         answer=answer,
         domain=str(row.get("domain", "other")),

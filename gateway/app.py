@@ -12,9 +12,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from adapters.engine import EngineClient
+from adapters.engine import EngineClient, EngineUnavailable
 from calm_core.artifact import LoadedArtifact
-from gateway.errors import APIError, install_error_handlers
+from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
@@ -68,22 +68,34 @@ def create_app(
             raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters", param="domain")
         return domain
 
+    def count_error(endpoint: str, domain: str, exc: BaseException) -> ErrorClass:
+        error = classify(exc)
+        metrics.errors.labels(endpoint, domain, error.type).inc()
+        metrics.requests.labels(endpoint, domain, str(error.status)).inc()
+        return error
+
+    async def sse(endpoint: str, domain: str, stream):
+        """A stream whose failure becomes an SSE error event and [DONE], classified and counted like any error."""
+        try:
+            async for piece in stream:
+                yield piece
+        except Exception as e:
+            error = count_error(endpoint, domain, e)
+            if error.status >= 500 and not isinstance(e, EngineUnavailable):
+                log.error("unhandled error in a %s stream", endpoint, exc_info=e)
+            yield sse_error(error)
+
     async def observed(endpoint: str, call, req, domain_header):
         start = time.perf_counter()
         domain = service.domain_of(req, domain_header)
         try:
             result = await call(req, domain)
-        except APIError as e:
-            metrics.errors.labels(endpoint, domain, e.type).inc()
-            metrics.requests.labels(endpoint, domain, str(e.status)).inc()
-            raise
         except Exception as e:
-            metrics.errors.labels(endpoint, domain, type(e).__name__).inc()
-            metrics.requests.labels(endpoint, domain, "503" if "Engine" in type(e).__name__ else "500").inc()
+            count_error(endpoint, domain, e)
             raise
         metrics.requests.labels(endpoint, domain, "200").inc()
-        if not isinstance(result, (dict,)) and hasattr(result, "__aiter__"):
-            return StreamingResponse(result, media_type="text/event-stream")
+        if hasattr(result, "__aiter__"):
+            return StreamingResponse(sse(endpoint, domain, result), media_type="text/event-stream")
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
         return JSONResponse(result.model_dump())
 
@@ -102,7 +114,8 @@ def create_app(
     @app.get("/health")
     async def health():
         await engine.check_health()
-        return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version}
+        return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version,
+                "scoring": service.scoring_paths()}
 
     @app.get("/metrics")
     async def prometheus_metrics():

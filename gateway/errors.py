@@ -1,13 +1,16 @@
 """One error shape for every failure: {"error": {"message", "type", "param", "code"}} with the right status.
 
-Validation and HTTP errors raised by the framework are turned into the same shape. Unknown exceptions stay 500s
-(they are our bugs, not the user's fault) but still answer in this shape, without a traceback.
+`classify` is the one table from exception to status and error type: the HTTP handlers, the metrics and streams
+(an SSE error event, then [DONE]) all use it. Validation and HTTP errors raised by the framework are turned into the
+same shape. Unknown exceptions are 500s (they are our bugs, not the user's fault) and still answer in this shape,
+without a traceback.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -28,6 +31,31 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+@dataclass(frozen=True)
+class ErrorClass:
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    @property
+    def headers(self) -> dict | None:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+
+
+def classify(exc: BaseException) -> ErrorClass:
+    """The status and error type of an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return ErrorClass(exc.status, exc.type, exc.message, exc.param, exc.code)
+    if isinstance(exc, EngineRejected):
+        return ErrorClass(400, "invalid_request_error", str(exc))
+    if isinstance(exc, EngineUnavailable):
+        return ErrorClass(503, "service_unavailable_error", f"model engine unavailable: {exc}", retry_after_s=5)
+    return ErrorClass(500, "internal_server_error", "internal error; it has been logged")
+
+
 def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code or status)).model_dump()
 
@@ -37,9 +65,10 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(error_body(status, message, type_, param, code), status_code=status, headers=headers)
 
 
-def sse_error(status: int, message: str, type_: str) -> str:
+def sse_error(error: "ErrorClass") -> str:
     """A streaming error: one SSE event in the error shape, then [DONE]."""
-    return f"data: {json.dumps(error_body(status, message, type_))}\n\ndata: [DONE]\n\n"
+    body = error_body(error.status, error.message, error.type, error.param, error.code)
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
 
 
 # OpenAI and vLLM parameters the gateway refuses by design, with the reason a client is told.
@@ -74,9 +103,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    async def _classified(request: Request, exc: Exception):
+        error = classify(exc)
+        if error.status >= 500 and not isinstance(exc, (APIError, EngineUnavailable)):
+            log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
+
+    for kind in (APIError, EngineRejected, EngineUnavailable, Exception):
+        app.add_exception_handler(kind, _classified)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -88,17 +122,3 @@ def install_error_handlers(app: FastAPI) -> None:
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail or phrase), kind)
-
-    @app.exception_handler(EngineUnavailable)
-    async def _unavailable(request: Request, exc: EngineUnavailable):
-        return error_response(503, f"model engine unavailable: {exc}", "service_unavailable_error",
-                              headers={"Retry-After": "5"})
-
-    @app.exception_handler(EngineRejected)
-    async def _rejected(request: Request, exc: EngineRejected):
-        return error_response(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, "internal error; it has been logged", "internal_server_error")

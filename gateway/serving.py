@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from adapters.engine import (
-    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, EngineRejected, generate, generate_choices,
+    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices,
 )
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
-from gateway.confidence import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
-from gateway.errors import APIError, sse_error
+from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
+from gateway.errors import APIError
 from gateway.logprobs import Position, chat_logprobs, completion_logprobs, option_position, token_positions
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, resolve
@@ -116,6 +116,18 @@ class CalibratedService:
         self.monitor = monitor
         self.policies = PolicyBook(store)
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
+        self.one_pass = artifact.answer_format == "cloze" and getattr(engine, "folded_scoring", False)
+
+    def scoring_paths(self) -> dict[str, str]:
+        """How each kind of answer is scored, for /health."""
+        if self.artifact.answer_format == "letter":
+            mc = "letter: one request per question, α head in the logits processor"
+        elif self.one_pass:
+            mc = "cloze one-pass: one request per option, prompt log-probs of weights with the α head folded in"
+        else:
+            mc = "cloze per-token: one request per option token, α head in the logits processor"
+        free = "base weights, no α head" if self.artifact.multiple_choice_only else "α head in the logits processor"
+        return {"multiple_choice": mc, "free_form": free}
 
     # -- request checks -----------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -184,10 +196,11 @@ class CalibratedService:
         """The calibrated options' distribution (one chosen option per choice) and, if asked, the raw model's
         (the same requests, α head skipped)."""
         if prompt.cloze:
-            runs = [score_cloze(self.engine, prompt.cloze, request, calibrated=True)]
+            score = score_cloze_one_pass if self.one_pass else score_cloze
+            runs = [score(self.engine, prompt.cloze, request, calibrated=True)]
             if with_raw:
                 raw_request = replace(request, request_id=request.request_id + "-raw")
-                runs.append(score_cloze(self.engine, prompt.cloze, raw_request, calibrated=False))
+                runs.append(score(self.engine, prompt.cloze, raw_request, calibrated=False))
             scores = await asyncio.gather(*runs)
             dists = [options_softmax(scores[0], chosen) for chosen in self._sample_options(scores[0], request)]
             raw = options_softmax(scores[1]).probs if with_raw else None
@@ -316,7 +329,8 @@ class CalibratedService:
         """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk.
 
         Multiple choice and abstain policies need the whole answer before any text may be shown, so those are
-        buffered; free-form answers under an annotate policy stream token by token.
+        buffered; free-form answers under an annotate policy stream token by token. Errors propagate: the app turns
+        them into an SSE error event (gateway/app.py).
         """
         created = int(time.time())
 
@@ -351,10 +365,6 @@ class CalibratedService:
             if include_usage:
                 yield chunk([], served.usage())
             yield "data: [DONE]\n\n"
-        except EngineUnavailable as e:
-            yield sse_error(503, f"model engine unavailable: {e}", "service_unavailable_error")
-        except EngineRejected as e:
-            yield sse_error(400, str(e), "invalid_request_error")
         except asyncio.CancelledError:
             await self.engine.abort(request.request_id)
             raise
@@ -416,7 +426,7 @@ async def score_cloze(engine: EngineClient, tokens: ClozeTokens, request: Engine
         for j, token in enumerate(option):
             jobs.append(replace(request, request_id=f"{request.request_id}-{k}-{j}", prompt="",
                                 prompt_token_ids=tokens.prompt + option[:j], max_tokens=1, temperature=0.0,
-                                top_p=1.0, seed=None, option_token_ids=(token,), restrict_to_options=False,
+                                top_p=1.0, seed=None, n=1, option_token_ids=(token,), restrict_to_options=False,
                                 calibrated=calibrated))
             owner.append((k, token))
     outs = await asyncio.gather(*(generate(engine, job) for job in jobs))
@@ -425,4 +435,23 @@ async def score_cloze(engine: EngineClient, tokens: ClozeTokens, request: Engine
         if not out.top_logprobs or token not in out.top_logprobs[0]:
             raise EngineUnavailable("the engine returned no log-prob for an option token")
         per_option[k].append(out.top_logprobs[0][token])
+    return cloze_scores(per_option)
+
+
+async def score_cloze_one_pass(engine: EngineClient, tokens: ClozeTokens, request: EngineRequest, calibrated: bool) -> np.ndarray:
+    """Each option's cloze score from one request per option: the prompt log-probs of the option's tokens after the
+    question. Prompt log-probs skip logits processors, so the calibrated run reads the engine whose weights carry the
+    α head (`folded`) and the raw run the unfolded weights, the processor switched off in both."""
+    n_prompt = len(tokens.prompt)
+    jobs = [replace(request, request_id=f"{request.request_id}-{k}", prompt="", prompt_token_ids=tokens.prompt + option,
+                    max_tokens=1, temperature=0.0, top_p=1.0, seed=None, n=1, option_token_ids=(), top_logprobs=0,
+                    prompt_logprobs=True, folded=calibrated, calibrated=False)
+            for k, option in enumerate(tokens.options)]
+    outs = await asyncio.gather(*(generate(engine, job) for job in jobs))
+    per_option = []
+    for option, out in zip(tokens.options, outs):
+        lps = (out.prompt_logprobs or [])[n_prompt : n_prompt + len(option)]
+        if len(lps) != len(option) or not all(math.isfinite(lp) for lp in lps):
+            raise EngineUnavailable("the engine returned no prompt log-probs for an option")
+        per_option.append(lps)
     return cloze_scores(per_option)

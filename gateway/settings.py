@@ -40,6 +40,9 @@ class GatewaySettings(BaseSettings):
     max_tokens_limit: int = 1024
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
+    # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is
+    # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
+    one_pass_scoring: bool = True
 
     @model_validator(mode="after")
     def _safe(self):

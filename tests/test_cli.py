@@ -69,10 +69,10 @@ def test_mismatched_alpha_head_is_refused(tmp_path, embedded_model_dir):
 
 
 @pytest.mark.slow
-def test_eval_refuses_an_artifact_it_cannot_score(tmp_path, embedded_model_dir, shipped_artifact):
-    """`calm eval` scores letters on the base weights: the shipped cloze + LoRA artifact is refused, not misreported."""
-    proc = run_calm("eval", "-d", "arc_easy", "--limit", "4", "--artifact", str(shipped_artifact.path), "--out", str(tmp_path / "r"))
-    assert_one_line_error(proc, "is fitted on cloze scoring with a LoRA adapter")
+def test_eval_refuses_to_score_an_artifact_in_another_format(tmp_path, embedded_model_dir, shipped_artifact):
+    proc = run_calm("eval", "-d", "arc_easy", "--limit", "4", "--artifact", str(shipped_artifact.path),
+                    "--answer-format", "letter", "--out", str(tmp_path / "r"))
+    assert_one_line_error(proc, "is fitted on cloze scoring")
 
 
 @pytest.mark.slow

@@ -5,11 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calm_core.alpha_head import log_softmax_np
 from calm_core.data import load_mc
 from calm_core.models import embedded_gguf_path, load_gguf_model, prepare_embedded, read_model_manifest, resolve_model
 from calm_core.hashing import sha256_file
-from training.scoring import score_letters
+from training.artifact_scoring import option_probabilities
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +30,13 @@ def test_converted_folder_matches_gguf_letter_logprobs(embedded_model, shared_da
     model, tokenizer = embedded_model
     gguf_model, gguf_tokenizer = load_gguf_model(embedded_gguf_path(), "float32")
     gguf_model.eval()
-    converted = score_letters(model, tokenizer, questions, batch_size=8, show_progress=False)
-    original = score_letters(gguf_model, gguf_tokenizer, questions, batch_size=8, show_progress=False)
+    converted = option_probabilities(model, tokenizer, questions, "letter", None)
+    original = option_probabilities(gguf_model, gguf_tokenizer, questions, "letter", None)
     with np.errstate(divide="ignore"):  # padded options have probability 0
-        lp_conv = np.log(converted.probs())
-        lp_orig = np.log(original.probs())
+        lp_conv = np.log(converted)
+        lp_orig = np.log(original)
     finite = np.isfinite(lp_orig)
     assert np.array_equal(finite, np.isfinite(lp_conv))
     np.testing.assert_allclose(lp_conv[finite], lp_orig[finite], atol=1e-4)
     # Not vacuous: the model does distinguish the options.
-    assert np.ptp(log_softmax_np(converted.letter_logits[:, :4]), axis=1).max() > 0.5
+    assert np.ptp(lp_conv[:12, :4], axis=1).max() > 0.5

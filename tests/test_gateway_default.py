@@ -17,12 +17,17 @@ MODEL = "calm-smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory, embedded_model_dir):
+def gateway(tmp_path_factory, embedded_model_dir):
     tmp = tmp_path_factory.mktemp("default-gateway")
     port = free_port()
     with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp / "gateway.log",
                  {"CALM_DB_PATH": str(tmp / "gw.sqlite3")}):
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def calibration(choice) -> dict:
@@ -87,3 +92,47 @@ def test_sampled_answers_follow_the_seed(client):
     answers = {seed: ask(seed).message.content for seed in range(8)}
     assert all(ask(seed).message.content == answers[seed] for seed in (0, 1))
     assert len(set(answers.values())) > 1  # at temperature 2 the draw is not always the most probable option
+
+
+def _chat_requests(gateway: str) -> float:
+    import httpx
+
+    lines = httpx.get(f"{gateway}/metrics").text.splitlines()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith("calm_requests_total{") and 'endpoint="chat"' in l)
+
+
+def test_calm_eval_offline_equals_calm_eval_through_the_gateway(gateway, tmp_path, shipped_artifact):
+    """`calm eval --artifact` (HF transformers: base + merged adapter, cloze, α head) and `calm eval --gateway`
+    (the official client against the running default gateway) give the same option probabilities (1e-3) and the
+    same report; an interrupted gateway run resumes without asking again what it already has."""
+    import json
+    import subprocess
+    import sys
+
+    sets = ["-d", "arc_easy:dev", "-d", "medmcqa", "--limit", "6"]
+    calm = [sys.executable, "-m", "calm_cli", "eval", *sets]
+    offline = subprocess.run([*calm, "--artifact", str(shipped_artifact.path), "--out", str(tmp_path / "offline")],
+                             capture_output=True, text=True, timeout=600)
+    assert offline.returncode == 0, offline.stderr
+    online_cmd = [*calm, "--gateway", gateway, "--concurrency", "4", "--out", str(tmp_path / "online")]
+    online = subprocess.run(online_cmd, capture_output=True, text=True, timeout=600)
+    assert online.returncode == 0, online.stderr
+    for name in ("arc_easy_dev", "medmcqa_dev"):
+        a, b = (np.load(tmp_path / run / f"probs_{name}.npz") for run in ("offline", "online"))
+        assert list(a["question_ids"]) == list(b["question_ids"]) and (a["labels"] == b["labels"]).all()
+        np.testing.assert_allclose(b["probs"], a["probs"], atol=1e-3)
+    reports = [json.loads((tmp_path / run / "report.json").read_text()) for run in ("offline", "online")]
+    for label in ("arc_easy:dev", "medmcqa:dev"):
+        assert reports[1]["results"][label]["accuracy"] == reports[0]["results"][label]["accuracy"]
+        assert reports[1]["results"][label]["ece_10"] == pytest.approx(reports[0]["results"][label]["ece_10"], abs=1e-3)
+    assert reports[1]["artifact"] == shipped_artifact.manifest.artifact_version
+    # Interrupted: two answers lost and a line cut in half. The rerun asks exactly the two missing questions.
+    answers = tmp_path / "online" / "answers_medmcqa_dev.jsonl"
+    kept = answers.read_text().splitlines()[:4]
+    answers.write_text("\n".join(kept) + "\n" + '{"id": "cut')
+    before = _chat_requests(gateway)
+    again = subprocess.run(online_cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert _chat_requests(gateway) - before == 2 + 1  # the two missing answers, and the deployment probe
+    rerun = np.load(tmp_path / "online" / "probs_medmcqa_dev.npz")
+    np.testing.assert_allclose(rerun["probs"], np.load(tmp_path / "offline" / "probs_medmcqa_dev.npz")["probs"], atol=1e-3)

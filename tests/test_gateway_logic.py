@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_question
-from gateway.confidence import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
+from calm_core.scoring import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
 from gateway.policies import Action, Policy, resolve, threshold_for_risk
 from gateway.store import Store, VersionConflict
@@ -205,3 +205,127 @@ def test_logprobs_follow_vllms_wire_rules():
     assert mc.token == "A" and mc.logprob == pytest.approx(math.log(0.2))
     assert [t for t, _ in mc.alternatives] == ["A", "B", "C"]
     assert [t for t, _ in option_position("ABC", [0.2, 0.5, 0.3], chosen=1).alternatives] == ["B", "C", "A"]
+
+
+class PromptLogprobEngine:
+    """Answers with prompt log-probs: token t at position i has log-prob -(i + t / 100); `folded` adds -1."""
+
+    folded_scoring = True
+
+    def __init__(self):
+        self.requests = []
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        self.requests.append(request)
+        ids = request.prompt_token_ids
+        lps = [math.nan] + [-(i + t / 100) - (1.0 if request.folded else 0.0) for i, t in enumerate(ids) if i > 0]
+        yield EngineDelta(text="x", token_ids=[7], token_logprobs=[-1.0], top_logprobs=[{7: -1.0}], prompt_logprobs=lps)
+
+
+def test_one_pass_cloze_scoring_reads_each_option_from_one_request():
+    import asyncio
+
+    from adapters.engine import EngineRequest
+    from gateway.serving import score_cloze_one_pass
+
+    engine = PromptLogprobEngine()
+    tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,)))
+    template = EngineRequest(request_id="r", prompt="Question: ...", temperature=0.8, seed=3, n=3)
+    calibrated = asyncio.run(score_cloze_one_pass(engine, tokens, template, calibrated=True))
+    # Option 0: 40 at position 3, 41 at position 4; option 1: 50 at position 3; the folded weights' values.
+    np.testing.assert_allclose(calibrated, [-(3.40 + 4.41) / 2 - 1, -3.50 - 1])
+    raw = asyncio.run(score_cloze_one_pass(engine, tokens, template, calibrated=False))
+    np.testing.assert_allclose(raw, [-(3.40 + 4.41) / 2, -3.50])
+    sent = engine.requests[:2]
+    assert [r.prompt_token_ids for r in sent] == [(1, 2, 3, 40, 41), (1, 2, 3, 50)]
+    assert all(r.prompt_logprobs and r.folded and not r.calibrated and r.n == 1 and r.max_tokens == 1 for r in sent)
+    assert not any(r.folded for r in engine.requests[2:])
+
+
+def test_one_table_classifies_errors_for_handlers_metrics_and_streams():
+    from adapters.engine import EngineRejected, EngineUnavailable
+    from gateway.errors import APIError, classify
+
+    assert (classify(APIError(404, "no", "not_found_error", "model")).status, classify(APIError(404, "no")).param) == (404, None)
+    assert (classify(EngineRejected("too long")).status, classify(EngineRejected("x")).type) == (400, "invalid_request_error")
+    unavailable = classify(EngineUnavailable("down"))
+    assert (unavailable.status, unavailable.type, unavailable.headers) == (503, "service_unavailable_error", {"Retry-After": "5"})
+    for unexpected in (ValueError("bug"), KeyError("k"), RuntimeError("r")):
+        error = classify(unexpected)
+        assert (error.status, error.type) == (500, "internal_server_error") and "bug" not in error.message
+
+
+class FailingEngine:
+    """Streams one token, then fails with the given exception."""
+
+    model_name, artifact_version, max_model_len, folded_scoring = "m", "test-v1", 2048, False
+
+    def __init__(self, exc: BaseException | None):
+        self.exc = exc
+
+    async def start(self): ...
+
+    async def close(self): ...
+
+    async def abort(self, request_id): ...
+
+    async def check_health(self): ...
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        yield EngineDelta(text="Hi", token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}], prompt_tokens=3)
+        if self.exc is not None:
+            raise self.exc
+
+
+@pytest.mark.parametrize("exc, status, kind", [
+    (None, None, None),
+    (__import__("adapters.engine", fromlist=["EngineUnavailable"]).EngineUnavailable("died"), 503, "service_unavailable_error"),
+    (__import__("adapters.engine", fromlist=["EngineRejected"]).EngineRejected("bad"), 400, "invalid_request_error"),
+    (RuntimeError("a bug of ours"), 500, "internal_server_error"),
+])
+def test_a_failing_stream_ends_with_an_error_event_and_done_and_is_counted(tmp_path, exc, status, kind):
+    import json as _json
+
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    tokenizer = _tiny_tokenizer()
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    settings = GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m")
+    app = create_app(settings, FailingEngine(exc), tokenizer, artifact)
+    with TestClient(app) as client:
+        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
+        text = client.post("/v1/chat/completions", json=body).text
+        events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
+        assert events[-1] == "[DONE]"
+        metrics = client.get("/metrics").text
+    if exc is None:
+        assert '"calibration"' in events[-2]
+        return
+    error = _json.loads(events[-2])["error"]
+    assert (error["code"], error["type"]) == (status, kind)
+    assert f'calm_errors_total{{domain="other",endpoint="chat",type="{kind}"}} 1.0' in metrics
+    assert f'calm_requests_total{{domain="other",endpoint="chat",status="{status}"}} 1.0' in metrics
+
+
+def _tiny_tokenizer():
+    """A real (tiny) HF tokenizer with a chat template and single-token letters, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["<unk>", *"ABCDEFGHIJKLM", "hello", "Hi", "<|im_end|>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok

@@ -121,3 +121,8 @@ def test_option_scores_are_mean_calibrated_token_log_likelihoods():
     assert float(got[0, 1]) == pytest.approx(float(logp[2, 2]))
     assert float(got[0, 2]) == 0.0  # no option in that slot: left for the caller's mask
     assert float(token_entropy(raw, scale, shift)[0]) == pytest.approx(float(entropy(logits * scale + shift).mean()))
+    # Training's batched rule is the serving rule: calm_core.scoring.cloze_scores on the same token log-probs.
+    from calm_core.scoring import cloze_scores
+
+    served = cloze_scores([[float(logp[0, 0]), float(logp[1, 1])], [float(logp[2, 2])]])
+    np.testing.assert_allclose(got[0, :2].double().numpy(), served, rtol=1e-6)

@@ -18,6 +18,15 @@ class AlphaParams(nn.Module):
         # A scalar head's shift would add one constant to every logit: no effect on any softmax, so none is learned.
         self.shift = nn.Parameter(torch.zeros(size), requires_grad=not scalar)
 
+    @classmethod
+    def from_head(cls, head: AlphaHead) -> "AlphaParams":
+        """A fixed head as parameters (evaluation reuses the training code's formats with it)."""
+        params = cls(head.size, scalar=head.kind.value == "scalar")
+        with torch.no_grad():
+            params.log_scale.copy_(torch.as_tensor(np.log(head.scale)))
+            params.shift.copy_(torch.as_tensor(head.shift))
+        return params.requires_grad_(False)
+
     def rows(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scalar:
             return self.log_scale.exp().expand(len(token_ids)), self.shift.expand(len(token_ids))

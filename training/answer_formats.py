@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from calm_core.alpha_head import apply_alpha
 from calm_core.data import MCQuestion
 from calm_core.prompts import AnswerFormatName, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
@@ -77,11 +78,11 @@ class LetterFormat:
     def option_logits(self, raw: LetterLogits, alpha: AlphaParams) -> torch.Tensor:
         ids = self.letter_ids[: raw.width].to(raw.logits.device)
         d, l = alpha.rows(ids)
-        return raw.logits[:, ids] * d + l
+        return apply_alpha(raw.logits[:, ids], d, l)
 
     def token_entropy(self, raw: LetterLogits, alpha: AlphaParams) -> torch.Tensor:
         d, l = alpha.full()
-        return entropy(raw.logits * d + l)
+        return entropy(apply_alpha(raw.logits, d, l))
 
     def tracked_tokens(self, items) -> torch.Tensor:
         return self.letter_ids

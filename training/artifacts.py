@@ -53,17 +53,19 @@ def reference_histogram(confidence: np.ndarray) -> ReferenceHistogram:
 
 
 def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: AlphaHead | None, batch_size: int = 16):
-    """Per serving domain (and 'all'): the histogram of calibrated top-label confidences, and the metrics."""
-    from training.scoring import score_letters
+    """Per serving domain (and 'all'): the histogram of calibrated top-label confidences, and the metrics (letter
+    format: what identity and hand-made heads serve)."""
+    from training.artifact_scoring import option_probabilities
 
-    scores = score_letters(model, tokenizer, questions, batch_size, description="reference")
-    probs = scores.probs(head)
-    confidence, _ = top_label(probs, scores.labels)
+    probs = option_probabilities(model, tokenizer, questions, "letter", head, batch_size)
+    labels = np.asarray([q.answer for q in questions])
+    n_options = np.asarray([q.n_options for q in questions])
+    confidence, _ = top_label(probs, labels)
     histograms, metrics = {}, {}
     for domain, idx in domain_groups(questions).items():
         histograms[domain] = reference_histogram(confidence[idx])
-        width = int(scores.n_options[idx].max())
-        report = calibration_report(probs[idx][:, :width], scores.labels[idx], n_boot=1)
+        width = int(n_options[idx].max())
+        report = calibration_report(probs[idx][:, :width], labels[idx], n_boot=1)
         metrics[domain] = {k: float(v) for k, v in report.as_dict().items() if not isinstance(v, (tuple, list))}
     return histograms, metrics
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from calm_core.alpha_head import apply_alpha
 from calm_core.prompts import ClozeTokens
 from training.top_layers import decoder, run_layers_masked
 
@@ -130,13 +131,14 @@ def _mean_by(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.
 
 
 def option_scores(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """(B, width) mean calibrated log-likelihood of each option's tokens; slots without an option are 0 (mask them)."""
-    logp = torch.log_softmax(raw.logits * scale + shift, -1).gather(1, raw.targets[:, None]).squeeze(1)
+    """(B, width) mean calibrated log-likelihood of each option's tokens; slots without an option are 0 (mask them).
+    The rule of calm_core.scoring.cloze_scores over a packed batch, differentiable in θ and α."""
+    logp = torch.log_softmax(apply_alpha(raw.logits, scale, shift), -1).gather(1, raw.targets[:, None]).squeeze(1)
     return _mean_by(logp, raw.slot, raw.rows * raw.width).view(raw.rows, raw.width)
 
 
 def token_entropy(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(B,) mean Shannon entropy (nats) of the calibrated full-vocabulary distribution at each question's option tokens."""
-    logp = torch.log_softmax(raw.logits * scale + shift, -1)
+    logp = torch.log_softmax(apply_alpha(raw.logits, scale, shift), -1)
     per_position = -(logp.exp() * logp).sum(-1)
     return _mean_by(per_position, torch.div(raw.slot, raw.width, rounding_mode="floor"), raw.rows)

@@ -56,13 +56,12 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.method == "calm_scalar":
-            self.head = "scalar"
-        return self
+        from training.methods import METHODS
 
-    @property
-    def uses_alpha(self) -> bool:
-        return self.method in ("calm", "calm_scalar", "iterate", "regularization")
+        required = METHODS[self.method].head
+        if required is not None:
+            self.head = required
+        return self
 
 
 def load_config(path: str | Path, **overrides) -> TrainConfig:

@@ -1,7 +1,8 @@
-"""`calm eval`: score a model (optionally through an α head) on multiple-choice sets and write a report.
+"""`calm eval`: score a model, or an artifact as the gateway serves it, on multiple-choice sets and write a report.
 
 Outputs in the report folder: report.json (every metric per dataset, with bootstrap intervals), report.md (the table),
-reliability.png (one panel per dataset) and scores_<dataset>.npz (raw letter logits, to re-evaluate heads offline).
+reliability.png (one panel per dataset) and probs_<dataset>.npz (each question's option probabilities and label).
+The same report comes from a live gateway (training/gateway_eval.py).
 """
 
 from __future__ import annotations
@@ -12,32 +13,45 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from calm_core.alpha_head import AlphaHead
+import numpy as np
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from calm_core.artifact import load_artifact
-from calm_core.errors import ConfigError
-from calm_core.data import MCQuestion, default_split, load_mc
+from calm_core.data import MCQuestion, default_split, load_mc, load_mc_file
+from calm_core.errors import ConfigError, DataError
 from calm_core.hashing import vocab_sha256
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.plots import reliability_diagram
+from calm_core.prompts import AnswerFormatName
+from training.artifact_scoring import load_served_model, option_probabilities
 from training.artifacts import output_vocab_size
-from training.scoring import load_causal_lm, load_tokenizer, score_letters
+from training.scoring import load_tokenizer
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    name: str
+    name: str  # a known dataset, or a JSONL file in the shared schema
     split: str
 
     @classmethod
     def parse(cls, text: str) -> "DatasetSpec":
-        """'arc_easy' or 'arc_easy:dev'."""
+        """'arc_easy', 'arc_easy:dev', or a path to a .jsonl file."""
+        if text.endswith(".jsonl") or Path(text).is_file():
+            return cls(text, "file")
         name, _, split = text.partition(":")
         return cls(name, split or default_split(name))
 
     @property
     def label(self) -> str:
-        return f"{self.name}:{self.split}"
+        return Path(self.name).stem if self.split == "file" else f"{self.name}:{self.split}"
+
+    def load(self) -> list[MCQuestion]:
+        if self.split == "file":
+            if not Path(self.name).is_file():
+                raise DataError(f"data file not found: {self.name}")
+            return load_mc_file(self.name)
+        return load_mc(self.name, self.split)
 
 
 @dataclass(frozen=True)
@@ -45,9 +59,10 @@ class EvalConfig:
     datasets: tuple[DatasetSpec, ...]
     model: str | None = None  # None = embedded default
     artifact: str | None = None
+    answer_format: AnswerFormatName | None = None  # None: the artifact's, or letter without one
     limit: int | None = 300
     seed: int = 0
-    batch_size: int = 16
+    batch_size: int = 8
     dtype: str = "float32"
     out_dir: str = "reports/eval"
     n_boot: int = 200
@@ -61,48 +76,56 @@ def sample_questions(questions: list[MCQuestion], limit: int | None, seed: int) 
     return rng.sample(list(questions), limit)
 
 
+def question_sets(datasets: tuple[DatasetSpec, ...], limit: int | None, seed: int) -> dict[str, list[MCQuestion]]:
+    # Every dataset is loaded first: a typo in the last name should fail before minutes of loading and scoring.
+    return {spec.label: sample_questions(spec.load(), limit, seed) for spec in datasets}
+
+
 def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
-    # Load every dataset first: a typo in the last name should fail before minutes of model loading and scoring.
-    question_sets = {spec.label: sample_questions(load_mc(spec.name, spec.split), cfg.limit, cfg.seed) for spec in cfg.datasets}
+    """Offline: the model (with the artifact's adapter and head, scored in its answer format) under HF transformers."""
+    sets = question_sets(cfg.datasets, cfg.limit, cfg.seed)
     resolved = resolve_model(cfg.model, cfg.dtype)
     tokenizer = load_tokenizer(resolved.path)
-    head: AlphaHead | None = None
-    artifact_version = None
+    head, artifact_version, adapter, fmt = None, None, None, cfg.answer_format or "letter"
     if cfg.artifact:  # verified before the weights load: a mismatch should fail in a second, not a minute
         loaded = load_artifact(
             cfg.artifact,
             expect_vocab_size=output_vocab_size(resolved.path),
             expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()),
         )
-        if loaded.manifest.answer_format != "letter" or loaded.manifest.has_adapter:
-            # This scorer applies a bare head to answer-letter logits of the base model; anything else would be
-            # numbers for a model nobody serves.
-            raise ConfigError(f"`calm eval` scores the letter format on the base weights; artifact "
-                              f"{loaded.manifest.artifact_version} is fitted on {loaded.manifest.answer_format} scoring"
-                              f"{' with a LoRA adapter' if loaded.manifest.has_adapter else ''}: its numbers are in its "
-                              "manifest (`calm artifact show`) and in `calm report`")
+        if cfg.answer_format and cfg.answer_format != loaded.manifest.answer_format:
+            raise ConfigError(f"artifact {loaded.manifest.artifact_version} is fitted on {loaded.manifest.answer_format} "
+                              f"scoring; scoring it as {cfg.answer_format} would report a model nobody serves")
         head, artifact_version = loaded.head, loaded.manifest.artifact_version
-    model = load_causal_lm(resolved.path, cfg.dtype)
+        adapter, fmt = loaded.adapter_dir, loaded.manifest.answer_format
+    model = load_served_model(str(resolved.path), adapter, cfg.dtype)
+    probs = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  disable=not show_progress, transient=True) as bar:
+        for label, questions in sets.items():
+            task = bar.add_task(label, total=len(questions))
+            probs[label] = option_probabilities(model, tokenizer, questions, fmt, head, cfg.batch_size,
+                                                lambda n: bar.advance(task, n))
+    source = {"model": resolved.id, "model_weights_sha256": model_weights_sha256(resolved), "artifact": artifact_version,
+              "answer_format": fmt, "scored_by": "offline (HF transformers)"}
+    return write_report(Path(cfg.out_dir), source, {**asdict(cfg), "datasets": [s.label for s in cfg.datasets]},
+                        sets, probs, cfg.n_boot, cfg.seed)
 
-    out = Path(cfg.out_dir)
+
+def write_report(out: Path, source: dict, config: dict, sets: dict[str, list[MCQuestion]],
+                 probs: dict[str, np.ndarray], n_boot: int, seed: int) -> dict:
+    """report.json, report.md, reliability.png and probs_<set>.npz: one report whoever scored the questions."""
     out.mkdir(parents=True, exist_ok=True)
     results, panels = {}, {}
-    for label, questions in question_sets.items():
-        scores = score_letters(model, tokenizer, questions, cfg.batch_size, description=label, show_progress=show_progress)
-        scores.save(out / f"scores_{label.replace(':', '_')}.npz")
-        probs = scores.probs(head)
-        report = calibration_report(probs, scores.labels, n_boot=cfg.n_boot, seed=cfg.seed)
-        results[label] = report.as_dict()
-        panels[label] = top_label(probs, scores.labels)
-    reliability_diagram(panels, out / "reliability.png", title=f"{resolved.id}" + (f" + {artifact_version}" if head else ""))
-    summary = {
-        "model": resolved.id,
-        "model_weights_sha256": model_weights_sha256(resolved),
-        "artifact": artifact_version,
-        "config": {**asdict(cfg), "datasets": [s.label for s in cfg.datasets]},
-        "created_at": datetime.now(timezone.utc).isoformat(),
-        "results": results,
-    }
+    for label, questions in sets.items():
+        labels = np.asarray([q.answer for q in questions])
+        np.savez_compressed(out / f"probs_{label.replace(':', '_')}.npz", probs=probs[label], labels=labels,
+                            question_ids=np.asarray([q.id for q in questions]))
+        results[label] = calibration_report(probs[label], labels, n_boot=n_boot, seed=seed).as_dict()
+        panels[label] = top_label(probs[label], labels)
+    title = source["model"] + (f" + {source['artifact']}" if source.get("artifact") else "")
+    reliability_diagram(panels, out / "reliability.png", title=title)
+    summary = {**source, "config": config, "created_at": datetime.now(timezone.utc).isoformat(), "results": results}
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     (out / "report.md").write_text(markdown_table(summary))
     return summary
@@ -110,12 +133,12 @@ def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
 
 def markdown_table(summary: dict) -> str:
     cfg = summary["config"]
-    head = f" + α head `{summary['artifact']}`" if summary["artifact"] else " (no α head)"
+    head = f" + artifact `{summary['artifact']}`" if summary["artifact"] else " (no α head)"
     lines = [
         f"# Evaluation: {summary['model']}{head}",
         "",
-        f"Letter format, chat template, {cfg['limit']} questions per set (seed {cfg['seed']}), {cfg['dtype']}. "
-        "Brackets: 95% bootstrap interval.",
+        f"Scored {summary['scored_by']} ({summary['answer_format']} format), {cfg['limit']} questions per set "
+        f"(seed {cfg['seed']}). Brackets: 95% bootstrap interval.",
         "",
         "| dataset | n | accuracy | mean conf. | ECE-10 | ECE-15 | adaptive ECE | class-wise ECE | Brier | NLL | AUROC | AURC |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -3,11 +3,12 @@
     setup()      model -> LoRA on the top layers -> encoded data -> α head -> optimizer, in that order because
                  each needs the one before (LoRA wraps the model; encoding needs the frozen layers; the optimizer
                  needs every parameter)
-    train()      the loop: one `step_<method>` per step, logging, periodic evaluation and checkpoints
+    train()      the loop: one step of the configured method per step, logging, periodic evaluation, checkpoints
     save_checkpoint() / resume   everything needed to continue bit-for-bit: weights, α, optimizer, data position
     export()     the artifact: LoRA adapter, α head, manifest with metrics and reference histograms
 
-The step functions are small and explicit; `METHODS` maps a method name to its step (no chain of elifs).
+The step functions live in training/methods.py, one typed registry entry per method (step, whether α is trained,
+the head it needs): no chain of elifs and no lookup by name.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ from calm_core.splits import load_split, materialize
 from training.alpha_params import AlphaParams
 from training.answer_formats import answer_format
 from training.artifacts import domain_groups, model_refs, reference_histogram
-from training.bome import bome_direction
 from training.config import TrainConfig
 from training.features import EncodedSet, concat, encode_sets
-from training.objectives import cft_gap, cross_entropy, entropy, mask_options
+from training.methods import METHODS
+from training.objectives import cross_entropy, entropy, mask_options
 from training.scoring import load_causal_lm, load_tokenizer
 
 log = logging.getLogger("calm.train")
@@ -118,7 +119,7 @@ class Trainer:
         self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar").to(self.device)
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": self.theta, "lr": cfg.lr_theta}]
-        if cfg.uses_alpha:
+        if METHODS[cfg.method].trains_alpha:
             groups.append({"params": self.alpha.trainable(), "lr": cfg.lr_alpha})
         self.optimizer = torch.optim.Adam(groups)
         rank = self.accelerator.process_index
@@ -156,87 +157,20 @@ class Trainer:
             return -self.fmt.token_entropy(raw, self.alpha).mean()
         return -entropy(self.calibrated(raw, batch)).mean()
 
-    # -- one step per method -----------------------------------------------------------------------------------------
-    def _apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    # -- applying a step ------------------------------------------------------------------------------------------
+    def apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """Set these gradients (averaged across processes) and step the optimizer; other parameters stay put."""
         for p, gr in zip(params, grads):
             gr = gr.detach().clone()
             p.grad = self.accelerator.reduce(gr, "mean") if self.accelerator.num_processes > 1 else gr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step_sft(self, smoothing: float = 0.0) -> dict:
-        batch = self.train_stream.next()
-        logits = self.calibrated(self.forward(batch), batch)  # α stays the identity: it is not optimised here
-        loss = cross_entropy(logits, batch.labels.to(self.device), smoothing)
-        if self.cfg.method == "cft":
-            loss = loss + self.cfg.cft_weight * cft_gap(logits, self.cft_bins)
-        self._apply(self.theta, torch.autograd.grad(loss, self.theta))
-        return {"g": float(loss.detach())}
-
-    def step_label_smoothing(self) -> dict:
-        return self.step_sft(self.cfg.label_smoothing)
-
-    def step_regularization(self) -> dict:
-        train, calib = self.train_stream.next(), self.calib_stream.next()
-        g, f = self.g(train), self.f(calib)
-        params = self.theta + self.alpha.trainable()
-        self._apply(params, torch.autograd.grad(g + self.cfg.reg_weight * f, params))
-        return {"g": float(g.detach()), "f": float(f.detach())}
-
-    def step_iterate(self) -> dict:
-        train, calib = self.train_stream.next(), self.calib_stream.next()
-        g = self.g(train)
-        self._apply(self.theta, torch.autograd.grad(g, self.theta))
-        f = self.f(calib)
-        alpha = self.alpha.trainable()
-        grads = torch.autograd.grad(f, alpha)
-        for p, gr in zip(alpha, grads):  # α's own step; θ's Adam state is left as it is
-            p.grad = gr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"g": float(g.detach()), "f": float(f.detach())}
-
-    def step_calm(self) -> dict:
-        cfg = self.cfg
-        train, calib = self.train_stream.next(), self.calib_stream.next()
-        alpha = self.alpha.trainable()
-        # ∇g(α, θ): also the first inner step's gradient.
-        g = self.g(train)
-        grads_g = torch.autograd.grad(g, self.theta + alpha)
-        g_theta, g_alpha = grads_g[: len(self.theta)], grads_g[len(self.theta) :]
-        # θ̃: T inner SGD steps on g(α, ·) from θ, then back to θ afterwards.
-        saved = [p.detach().clone() for p in self.theta]
-        with torch.no_grad():
-            for p, gr in zip(self.theta, g_theta):
-                p -= cfg.inner_lr * gr
-        for _ in range(cfg.inner_steps - 1):
-            inner = torch.autograd.grad(self.g(train), self.theta)
-            with torch.no_grad():
-                for p, gr in zip(self.theta, inner):
-                    p -= cfg.inner_lr * gr
-        with torch.no_grad():  # θ̃ is detached: only α's gradient flows through g(α, θ̃)
-            raw_tilde = self.forward(train)
-        g_tilde = self.g(train, raw_tilde)
-        g_alpha_tilde = torch.autograd.grad(g_tilde, alpha)
-        with torch.no_grad():
-            for p, s in zip(self.theta, saved):
-                p.copy_(s)
-        grad_q = list(g_theta) + [a - b for a, b in zip(g_alpha, g_alpha_tilde)]
-        f = self.f(calib)
-        grad_f = list(torch.autograd.grad(f, self.theta + alpha, allow_unused=True))
-        grad_f = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(self.theta + alpha, grad_f)]
-        step = bome_direction(grad_f, grad_q, cfg.eta)
-        self._apply(self.theta + alpha, step.direction)
-        return {"g": float(g.detach()), "f": float(f.detach()), "q": float((g - g_tilde).detach()), "lambda": step.lam,
-                "grad_q_sq": step.grad_q_sq, "entropy": -float(f.detach())}
-
-    step_calm_scalar = step_calm
-
     # -- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> None:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        step_fn = getattr(self, f"step_{cfg.method}") if cfg.method != "cft" else self.step_sft
+        step = METHODS[cfg.method].step
         main = self.accelerator.is_main_process
         metrics_log = open(self.out / "train_log.jsonl" if main else os.devnull, "a")
         columns = (TextColumn(f"{cfg.method} seed {cfg.seed}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -245,7 +179,7 @@ class Trainer:
             task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
             while self.step < cfg.steps:
                 start = time.perf_counter()
-                record = step_fn()
+                record = step(self)
                 self.step += 1
                 record.update(step=self.step, seconds=time.perf_counter() - start,
                               alpha_scale_mean=float(self.alpha.rows(self.tracked_tokens)[0].detach().mean()))

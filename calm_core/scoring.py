@@ -1,4 +1,10 @@
-"""Answer-level confidence from the engine's calibrated log-probs (pure functions).
+"""The answer-scoring rules, shared by training, `calm eval` and the gateway (pure numpy functions).
+
+How each answer format turns calibrated log-probs into option scores, the options' distribution, confidence and
+entropy. The prompts and token ids each format scores come from calm_core.prompts (`letter_prompt`,
+`letter_token_ids`, `cloze_tokens`); the α head from calm_core.alpha_head. Training applies the same rules to
+batches of torch tensors (training/cloze.py's `option_scores` is `cloze_scores` over a packed batch); a test checks
+the two agree.
 
 Multiple choice: the engine returns the calibrated log-prob of every option's answer token at the first position;
 confidence is the chosen option's probability after renormalising over the options (softmax of d ⊙ z + l restricted

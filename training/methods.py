@@ -1,0 +1,115 @@
+"""Every training method as one typed registry entry: its step function, whether it trains α, and the head it needs.
+
+A step takes the trainer (its model, α, batch streams and optimizer) and returns the step's log record. Steps apply
+every gradient through `trainer.apply`, which averages it across processes under `accelerate launch` and steps the
+optimizer, so θ and α are averaged the same way in every method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from training.bome import bome_direction
+from training.objectives import cft_gap, cross_entropy
+
+if TYPE_CHECKING:
+    from training.trainer import Trainer
+
+
+def step_sft(t: "Trainer", smoothing: float = 0.0, cft: bool = False) -> dict:
+    """Cross-entropy on θ only; α stays the identity."""
+    batch = t.train_stream.next()
+    logits = t.calibrated(t.forward(batch), batch)
+    loss = cross_entropy(logits, batch.labels.to(t.device), smoothing)
+    if cft:
+        loss = loss + t.cfg.cft_weight * cft_gap(logits, t.cft_bins)
+    t.apply(t.theta, torch.autograd.grad(loss, t.theta))
+    return {"g": float(loss.detach())}
+
+
+def step_label_smoothing(t: "Trainer") -> dict:
+    return step_sft(t, smoothing=t.cfg.label_smoothing)
+
+
+def step_cft(t: "Trainer") -> dict:
+    """Calibration-aware fine-tuning: cross-entropy plus the gap between confidence and binned accuracy."""
+    return step_sft(t, cft=True)
+
+
+def step_regularization(t: "Trainer") -> dict:
+    """Single level: g + w·f on θ and α together."""
+    train, calib = t.train_stream.next(), t.calib_stream.next()
+    g, f = t.g(train), t.f(calib)
+    params = t.theta + t.alpha.trainable()
+    t.apply(params, torch.autograd.grad(g + t.cfg.reg_weight * f, params))
+    return {"g": float(g.detach()), "f": float(f.detach())}
+
+
+def step_iterate(t: "Trainer") -> dict:
+    """Alternating: a step of θ on g, then a step of α on f (no coupling between the levels)."""
+    train, calib = t.train_stream.next(), t.calib_stream.next()
+    g = t.g(train)
+    t.apply(t.theta, torch.autograd.grad(g, t.theta))
+    f = t.f(calib)
+    alpha = t.alpha.trainable()
+    t.apply(alpha, torch.autograd.grad(f, alpha))
+    return {"g": float(g.detach()), "f": float(f.detach())}
+
+
+def step_calm(t: "Trainer") -> dict:
+    """The BOME step: T inner steps give θ̃; q = g(α,θ) − g(α,θ̃); move (θ, α) along ∇f + λ∇q."""
+    cfg = t.cfg
+    train, calib = t.train_stream.next(), t.calib_stream.next()
+    alpha = t.alpha.trainable()
+    # ∇g(α, θ): also the first inner step's gradient.
+    g = t.g(train)
+    grads_g = torch.autograd.grad(g, t.theta + alpha)
+    g_theta, g_alpha = grads_g[: len(t.theta)], grads_g[len(t.theta) :]
+    # θ̃: T inner SGD steps on g(α, ·) from θ, then back to θ afterwards.
+    saved = [p.detach().clone() for p in t.theta]
+    with torch.no_grad():
+        for p, gr in zip(t.theta, g_theta):
+            p -= cfg.inner_lr * gr
+    for _ in range(cfg.inner_steps - 1):
+        inner = torch.autograd.grad(t.g(train), t.theta)
+        with torch.no_grad():
+            for p, gr in zip(t.theta, inner):
+                p -= cfg.inner_lr * gr
+    with torch.no_grad():  # θ̃ is detached: only α's gradient flows through g(α, θ̃)
+        raw_tilde = t.forward(train)
+    g_tilde = t.g(train, raw_tilde)
+    g_alpha_tilde = torch.autograd.grad(g_tilde, alpha)
+    with torch.no_grad():
+        for p, s in zip(t.theta, saved):
+            p.copy_(s)
+    grad_q = list(g_theta) + [a - b for a, b in zip(g_alpha, g_alpha_tilde)]
+    f = t.f(calib)
+    grad_f = list(torch.autograd.grad(f, t.theta + alpha, allow_unused=True))
+    grad_f = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(t.theta + alpha, grad_f)]
+    step = bome_direction(grad_f, grad_q, cfg.eta)
+    t.apply(t.theta + alpha, step.direction)
+    return {"g": float(g.detach()), "f": float(f.detach()), "q": float((g - g_tilde).detach()), "lambda": step.lam,
+            "grad_q_sq": step.grad_q_sq, "entropy": -float(f.detach())}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    step: Callable[["Trainer"], dict]
+    trains_alpha: bool
+    head: Literal["vector", "scalar"] | None = None  # the head the method needs; None: the config's `head`
+
+
+METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+    MethodSpec("sft", step_sft, trains_alpha=False),
+    MethodSpec("label_smoothing", step_label_smoothing, trains_alpha=False),
+    MethodSpec("cft", step_cft, trains_alpha=False),
+    MethodSpec("regularization", step_regularization, trains_alpha=True),
+    MethodSpec("iterate", step_iterate, trains_alpha=True),
+    MethodSpec("calm", step_calm, trains_alpha=True),
+    MethodSpec("calm_scalar", step_calm, trains_alpha=True, head="scalar"),
+)}
