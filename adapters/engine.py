@@ -115,6 +115,9 @@ class EngineClient(Protocol):
 
     async def close(self) -> None: ...
 
+    def describe(self) -> dict:
+        """What serves requests and with which settings in force (for /health)."""
+
 
 async def generate(engine: EngineClient, request: EngineRequest) -> EngineOutput:
     return EngineOutput.collect([d async for d in engine.stream(request)])

@@ -6,7 +6,7 @@ import os
 from collections.abc import AsyncIterator
 
 from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
-from adapters.vllm_common import OPT_OUT_KEY, EngineConfig
+from adapters.vllm_common import ADAPTER_NAME, OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact
 
 
@@ -42,11 +42,14 @@ class InProcessVLLMEngine:
         self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" -> AsyncLLM
 
     async def start(self) -> None:
-        """One engine on the base weights and, when the artifact has an adapter, one on base + adapter merged.
+        """One engine on the base weights; with an adapter, either a second one on base + adapter merged (adapter mode
+        "merged", CPU's default) or the adapter as a vLLM LoRA in the first ("lora", CUDA's default); with one-pass
+        scoring, one more on the folded weights.
 
-        Two engines rather than vLLM's per-request LoRA: on CPU vLLM's LoRA path runs as plain PyTorch ops over every
+        Merged rather than vLLM's per-request LoRA on CPU: there vLLM's LoRA path runs as plain PyTorch ops over every
         layer and made cloze scoring about 6x slower (benchmarks/bench_cloze_serving.py); merged weights cost nothing
-        per token. The price is a second copy of the (small) weights and KV cache.
+        per token. The price is a copy of the (small) weights and KV cache. On CUDA vLLM's LoRA kernels serve adapters
+        without copies.
         """
         os.environ.update(self.config.env())  # read by the logits processor in the engine-core process
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -54,10 +57,13 @@ class InProcessVLLMEngine:
 
         paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
                  "folded": self.config.folded_model_path}
+        paths = {w: p for w, p in paths.items() if p}
         for weights, path in paths.items():
-            if path:
-                args = AsyncEngineArgs(**self.config.engine_kwargs(path), disable_log_stats=True)
-                self._engines[weights] = AsyncLLM.from_engine_args(args)
+            lora = weights == "base" and self.config.adapter_path is not None  # the adapter as a vLLM LoRA
+            kwargs = self.config.engine_kwargs(path, lora=lora)
+            if "gpu_memory_utilization" in kwargs:  # each engine takes its share of the GPU: the share is split
+                kwargs["gpu_memory_utilization"] /= len(paths)
+            self._engines[weights] = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
 
     def _engine_for(self, request: EngineRequest):
         if request.folded:
@@ -113,9 +119,14 @@ class InProcessVLLMEngine:
         except (VLLMClientError, ValueError) as e:
             raise EngineRejected(str(e)) from None
         started = False
+        lora = None
+        if request.adapter and not request.folded and "adapter" not in self._engines and self.config.adapter_path:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(ADAPTER_NAME, 1, self.config.adapter_path)
         try:
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)} if request.prompt_token_ids else request.prompt
-            async for out in engine.generate(prompt, params, request.request_id):
+            async for out in engine.generate(prompt, params, request.request_id, lora_request=lora):
                 for delta in _deltas_from_output(out, started):
                     yield delta
                 started = True
@@ -129,6 +140,13 @@ class InProcessVLLMEngine:
             if started:
                 raise
             raise EngineRejected(str(e)) from None
+
+    def describe(self) -> dict:
+        weights = [w for w, p in (("base", self.config.model_path), ("adapter", self.config.merged_model_path),
+                                  ("folded", self.config.folded_model_path)) if p]
+        adapter = None if not (self.config.adapter_path or self.config.merged_model_path) else (
+            "merged" if self.config.merged_model_path else "lora")
+        return {"kind": "inprocess", "engines": weights, "adapter": adapter, **self.config.engine.as_dict()}
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -122,6 +122,9 @@ class UpstreamVLLMEngine:
         except httpx.TransportError as e:
             raise EngineUnavailable(f"upstream {url} unreachable ({type(e).__name__})") from None
 
+    def describe(self) -> dict:
+        return {"kind": "upstream", "urls": self.urls, "adapter": "lora" if self.adapter_name else None}
+
     async def abort(self, request_id: str) -> None:
         return None  # closing the HTTP stream makes vLLM abort the request
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 
 # Names shared with the logits processor; kept here so HTTP clients need no vLLM import.
 ARTIFACT_ENV = "CALM_ARTIFACT"
@@ -18,12 +20,11 @@ class EngineConfig:
     model_path: str
     artifact_path: str
     served_model_name: str = "calm"
-    dtype: str = "float32"  # fp32 matches HF to ~5e-5 on CPU; bf16 drifts by up to ~0.5 in log-prob
+    engine: EngineSettings = field(default_factory=lambda: resolve(EngineOverrides(device="cpu")))
     max_model_len: int = 2048
-    kv_cache_bytes: int = 512 * 1024**2
     max_logprobs: int = 20
     seed: int = 0
-    adapter_path: str | None = None  # the artifact's LoRA adapter, applied per request (vLLM LoRA; the server's way)
+    adapter_path: str | None = None  # the artifact's LoRA adapter, applied per request (vLLM LoRA; server, CUDA)
     adapter_rank: int = 0
     merged_model_path: str | None = None  # base + adapter merged: a second engine for adapter requests (in-process)
     folded_model_path: str | None = None  # merged + α scales folded into the LM head: one-pass scoring (in-process)
@@ -39,33 +40,33 @@ class EngineConfig:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         }
 
-    def engine_kwargs(self, model_path: str | None = None) -> dict:
-        """In-process engine arguments; an adapter is served there from merged weights (`merged_model_path`)."""
-        return dict(
+    def engine_kwargs(self, model_path: str | None = None, lora: bool = False) -> dict:
+        """In-process engine arguments; an adapter is served there from merged weights (`merged_model_path`) or, with
+        `lora`, by vLLM's LoRA kernels in this engine (`adapter_path`)."""
+        kwargs = dict(
             model=model_path or self.model_path,
             served_model_name=[self.served_model_name],
-            dtype=self.dtype,
             max_model_len=self.max_model_len,
-            kv_cache_memory_bytes=self.kv_cache_bytes,
             max_logprobs=self.max_logprobs,
             # Returned log-probs must be the calibrated ones, i.e. taken after our logits processor.
             logprobs_mode="processed_logprobs",
             logits_processors=[LOGITS_PROCESSOR],
-            enforce_eager=True,
             seed=self.seed,
+            **self.engine.vllm_kwargs(),
         )
+        if lora:
+            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        return kwargs
 
     def server_args(self, host: str, port: int, alpha: bool = True) -> list[str]:
         """vLLM server flags; alpha=False leaves the logits processor out (benchmarks compare the two)."""
         args = [
             "--model", self.model_path,
             "--served-model-name", self.served_model_name,
-            "--dtype", self.dtype,
+            *self.engine.server_args(),
             "--max-model-len", str(self.max_model_len),
-            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--max-logprobs", str(self.max_logprobs),
             "--logprobs-mode", "processed_logprobs",
-            "--enforce-eager",
             "--seed", str(self.seed),
             "--host", host,
             "--port", str(port),

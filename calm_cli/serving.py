@@ -31,25 +31,30 @@ def load_checked(model: ResolvedModel, artifact_path: Path):
     return tokenizer, artifact
 
 
-def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None, merged: bool = False):
+def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=None, inprocess: bool = False):
     """The base model and the α head as the logits processor; each request chooses base or adapted weights. The
-    artifact's LoRA adapter (if any) is served merged into a second in-process engine (`merged=True`) or as a vLLM
-    LoRA (the `calm engine` server). In-process, a cloze head that folds into the LM head gets a third engine on the
+    artifact's LoRA adapter (if any) is served in-process merged into a second engine (adapter_mode "merged", CPU's
+    default) or by vLLM's LoRA kernels in the same engine ("lora", CUDA's default), and as a vLLM LoRA by the
+    `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
     folded weights (one-pass option scoring, adapters/merged_weights.py)."""
+    from adapters.engine_settings import resolve
     from adapters.merged_weights import foldable, folded_model_dir, merged_model_dir
     from adapters.vllm_common import EngineConfig
 
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
     adapter = artifact.adapter_dir
+    engine = resolve(settings.engine_overrides())
     common = dict(model_path=str(model.path), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
-                  dtype=settings.dtype, max_model_len=settings.max_model_len, kv_cache_bytes=settings.kv_cache_mb * 1024**2)
-    if not merged:
-        if adapter is None:
-            return EngineConfig(**common)
-        return EngineConfig(**common, adapter_path=str(adapter), adapter_rank=artifact.adapter_rank)
+                  engine=engine, max_model_len=settings.max_model_len)
+    lora = dict(adapter_path=str(adapter), adapter_rank=artifact.adapter_rank) if adapter else {}
+    if not inprocess:
+        return EngineConfig(**common, **lora)
     one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
+    folded = str(folded_model_dir(model.path, artifact)) if one_pass else None
+    if engine.adapter_mode == "lora":  # one engine applies the adapter per request (vLLM's multi-LoRA kernels)
+        return EngineConfig(**common, **lora, folded_model_path=folded)
     return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)) if adapter else None,
-                        folded_model_path=str(folded_model_dir(model.path, artifact)) if one_pass else None)
+                        folded_model_path=folded)
 
 
 def build_gateway(settings):
@@ -63,7 +68,7 @@ def build_gateway(settings):
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 
-        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, merged=True))
+        engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, inprocess=True))
     else:
         from adapters.upstream import UpstreamVLLMEngine
         from adapters.vllm_common import ADAPTER_NAME

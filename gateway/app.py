@@ -115,7 +115,7 @@ def create_app(
     async def health():
         await engine.check_health()
         return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version,
-                "scoring": service.scoring_paths()}
+                "scoring": service.scoring_paths(), "engine": engine.describe()}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from adapters.engine_settings import EngineOverrides
 
 DEV_ADMIN_KEY = "dev-admin-key"
 
@@ -30,8 +33,14 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = 30.0
     upstream_connect_timeout_s: float = 2.0
     max_model_len: int = 2048
-    kv_cache_mb: int = 512
-    dtype: str = "float32"
+    # Engine settings: unset ones come from the device (adapters/engine_settings.py; /health shows what is in force).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str | None = None  # CPU float32, CUDA bfloat16
+    enforce_eager: bool | None = None  # CPU true, CUDA false (CUDA graphs)
+    kv_cache_mb: int | None = Field(default=None, gt=0)  # CPU 512; on CUDA a fixed size replaces the GPU share
+    gpu_memory_utilization: float | None = None  # CUDA 0.9
+    enable_prefix_caching: bool | None = None  # CUDA true; CPU vLLM's default
+    adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     admin_key: str = DEV_ADMIN_KEY
     db_path: Path = Field(default_factory=lambda: Path(".calm/gateway.sqlite3"))
     domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
@@ -43,6 +52,11 @@ class GatewaySettings(BaseSettings):
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True
+
+    def engine_overrides(self) -> EngineOverrides:
+        return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,
+                               kv_cache_mb=self.kv_cache_mb, gpu_memory_utilization=self.gpu_memory_utilization,
+                               enable_prefix_caching=self.enable_prefix_caching, adapter_mode=self.adapter_mode)
 
     @model_validator(mode="after")
     def _safe(self):

@@ -28,3 +28,16 @@ def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shif
     s = cloze_option_scores(model, tokenizer, question, choices, scale, shift)
     p = np.exp(s - s.max())
     return p / p.sum()
+
+
+def option_tolerances(gateway_url: str) -> tuple[float, float]:
+    """(option probabilities, raw confidence) tolerances against these fp32 numbers for the engine's dtype in force:
+    1e-3 in fp32, the bf16 budget otherwise."""
+    import httpx
+
+    from adapters.engine_settings import BF16_BUDGET
+
+    dtype = httpx.get(f"{gateway_url}/health", timeout=30).json()["engine"].get("dtype", "float32")
+    if dtype == "float32":
+        return 1e-3, 1e-3
+    return BF16_BUDGET["option_probability"], BF16_BUDGET["raw_confidence"]

@@ -1,0 +1,110 @@
+"""Engine settings by device, one typed object for `calm serve` (in-process) and `calm engine` (vLLM's server).
+
+On CPU the values that run today on the 2-core machines: float32 (matches HF transformers to ~5e-5; bf16 drifts),
+eager execution, a fixed KV cache in bytes, and an artifact's adapter merged into a copy of the weights (vLLM's CPU
+LoRA path runs as plain PyTorch ops and was 6x slower). On CUDA, vLLM's own defaults: bfloat16, CUDA graphs, the KV
+cache sized as a share of GPU memory, prefix caching, and adapters served by vLLM's multi-LoRA kernels in the same
+engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones come from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Device = Literal["cpu", "cuda"]
+AdapterMode = Literal["merged", "lora"]
+
+
+@dataclass(frozen=True)
+class EngineOverrides:
+    """What an operator set; None means "the device's default"."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    kv_cache_mb: int | None = None  # a fixed KV cache (CPU's way); on CUDA it replaces gpu_memory_utilization
+    gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool | None = None
+    adapter_mode: AdapterMode | None = None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The values in force, after the device's defaults filled what was not set (reported by /health)."""
+
+    device: Device
+    dtype: str
+    enforce_eager: bool
+    kv_cache_bytes: int | None  # None: gpu_memory_utilization sizes the cache
+    gpu_memory_utilization: float | None
+    enable_prefix_caching: bool | None  # None: vLLM's own default for the platform
+    adapter_mode: AdapterMode
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def vllm_kwargs(self) -> dict:
+        """Engine-argument names as vLLM's AsyncEngineArgs takes them."""
+        kwargs = dict(dtype=self.dtype, enforce_eager=self.enforce_eager)
+        if self.enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        else:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return kwargs
+
+    def server_args(self) -> list[str]:
+        """The same values as vLLM OpenAI-server flags."""
+        args = ["--dtype", self.dtype]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.enable_prefix_caching is not None:
+            args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.kv_cache_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        else:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        return args
+
+
+CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, kv_cache_mb=512, gpu_memory_utilization=None,
+                    enable_prefix_caching=None, adapter_mode="merged")
+CUDA_DEFAULTS = dict(dtype="bfloat16", enforce_eager=False, kv_cache_mb=None, gpu_memory_utilization=0.9,
+                     enable_prefix_caching=True, adapter_mode="lora")
+
+
+def detect_device() -> Device:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve(overrides: EngineOverrides, detected: Device | None = None) -> EngineSettings:
+    """Fill what the operator left unset from the device's defaults. `detected` stands in for CUDA detection (tests)."""
+    device: Device = overrides.device if overrides.device != "auto" else (detected or detect_device())
+    defaults = CUDA_DEFAULTS if device == "cuda" else CPU_DEFAULTS
+    pick = lambda name: getattr(overrides, name) if getattr(overrides, name) is not None else defaults[name]  # noqa: E731
+    kv_mb = pick("kv_cache_mb")
+    gpu_share = overrides.gpu_memory_utilization if overrides.gpu_memory_utilization is not None else (
+        None if overrides.kv_cache_mb is not None else defaults["gpu_memory_utilization"])
+    if device == "cpu" and overrides.gpu_memory_utilization is not None:
+        raise ValueError("gpu_memory_utilization applies to CUDA; on CPU set kv_cache_mb")
+    if overrides.kv_cache_mb is not None and overrides.gpu_memory_utilization is not None:
+        raise ValueError("set kv_cache_mb or gpu_memory_utilization, not both")
+    if gpu_share is not None and not 0.0 < gpu_share <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {gpu_share}")
+    return EngineSettings(
+        device=device, dtype=pick("dtype"), enforce_eager=pick("enforce_eager"),
+        kv_cache_bytes=kv_mb * 1024**2 if kv_mb is not None else None,
+        gpu_memory_utilization=gpu_share if kv_mb is None else None,
+        enable_prefix_caching=pick("enable_prefix_caching"), adapter_mode=pick("adapter_mode"),
+    )
+
+
+# How far a bf16 engine's numbers may be from HF transformers in fp32 (absolute), measured on the embedded model with
+# vLLM's CPU bf16 kernels (tests/test_bf16_budget.py: option probabilities ≤ 0.006, raw confidence ≤ 0.014,
+# free-form confidence ≤ 0.03) with headroom. fp32 engines hold 1e-3. A deployment that needs bit-level agreement
+# sets CALM_DTYPE=float32.
+BF16_BUDGET = {"option_probability": 0.02, "raw_confidence": 0.03, "free_form_confidence": 0.05}

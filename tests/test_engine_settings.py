@@ -1,0 +1,62 @@
+"""Engine settings by device: what runs on CPU today stays, CUDA gets vLLM's defaults, every value can be overridden.
+The CUDA branch is resolved here without a GPU (the device is passed in, as detection would return it)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from adapters.engine_settings import EngineOverrides, resolve
+
+
+def test_cpu_defaults_are_todays_engine():
+    s = resolve(EngineOverrides(), detected="cpu")
+    assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
+        "cpu", "float32", True, 512 * 1024**2, None)
+    assert s.adapter_mode == "merged" and s.enable_prefix_caching is None
+    assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 1024**2}
+    assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(512 * 1024**2)]
+
+
+def test_cuda_defaults_are_vllms():
+    s = resolve(EngineOverrides(), detected="cuda")
+    assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
+        "cuda", "bfloat16", False, None, 0.9)
+    assert s.adapter_mode == "lora" and s.enable_prefix_caching is True
+    assert s.vllm_kwargs() == {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": True,
+                               "gpu_memory_utilization": 0.9}
+    assert "--enforce-eager" not in s.server_args() and "--gpu-memory-utilization" in s.server_args()
+
+
+def test_explicit_values_win_over_the_device():
+    s = resolve(EngineOverrides(dtype="float32", enforce_eager=True, adapter_mode="merged", kv_cache_mb=2048),
+                detected="cuda")
+    assert (s.dtype, s.enforce_eager, s.adapter_mode, s.kv_cache_bytes, s.gpu_memory_utilization) == (
+        "float32", True, "merged", 2048 * 1024**2, None)  # a fixed KV size replaces the GPU share
+    assert resolve(EngineOverrides(device="cpu"), detected="cuda").device == "cpu"
+    assert resolve(EngineOverrides(device="cuda"), detected="cpu").dtype == "bfloat16"
+    assert resolve(EngineOverrides(gpu_memory_utilization=0.5), detected="cuda").gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize("overrides, detected, needle", [
+    (EngineOverrides(gpu_memory_utilization=0.5), "cpu", "applies to CUDA"),
+    (EngineOverrides(gpu_memory_utilization=0.5, kv_cache_mb=256), "cuda", "not both"),
+    (EngineOverrides(gpu_memory_utilization=1.5), "cuda", "(0, 1]"),
+])
+def test_contradictions_are_refused(overrides, detected, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        resolve(overrides, detected=detected)
+
+
+def test_gateway_settings_carry_the_overrides(monkeypatch):
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv("CALM_DEVICE", "cuda")
+    monkeypatch.setenv("CALM_GPU_MEMORY_UTILIZATION", "0.6")
+    monkeypatch.setenv("CALM_ADAPTER_MODE", "merged")
+    s = resolve(GatewaySettings().engine_overrides())
+    assert (s.device, s.gpu_memory_utilization, s.adapter_mode, s.dtype) == ("cuda", 0.6, "merged", "bfloat16")
+    monkeypatch.delenv("CALM_DEVICE")
+    monkeypatch.delenv("CALM_GPU_MEMORY_UTILIZATION")
+    assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
