@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calm_core.alpha_head import option_probs  # noqa: E402
+from calm_core.scoring import option_probs  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402
 from calm_core.metrics import calibration_report  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402

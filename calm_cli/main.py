@@ -21,6 +21,8 @@ app.add_typer(model_app, name="model")
 split_app = typer.Typer(help="Inspect domain splits.", no_args_is_help=True)
 app.add_typer(artifact_app, name="artifact")
 app.add_typer(split_app, name="split")
+policy_app = typer.Typer(help="Abstention policies offline.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
 
 
 def one_line_errors(fn):
@@ -139,6 +141,37 @@ def eval_cmd(
                                       batch_size=batch_size, dtype=dtype, out_dir=str(out)))
     typer.echo((out / "report.md").read_text())
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png  ({len(summary['results'])} datasets)")
+
+
+@policy_app.command("fit")
+@one_line_errors
+def policy_fit(
+    artifact: Annotated[Path, typer.Option(help="artifact to score the questions with, as the gateway serves it")],
+    dataset: Annotated[str, typer.Option(help="labelled questions: name[:split] or a .jsonl file")],
+    target_risk: Annotated[float, typer.Option(help="α: the largest error rate allowed among the answers let through")],
+    delta: Annotated[float, typer.Option(help="δ: the promise may fail with at most this probability")] = 0.1,
+    limit: Annotated[int, typer.Option(help="questions (0 = all)")] = 0,
+    domain: Annotated[str, typer.Option(help="reference domain of the artifact (sequence start, label-free threshold)")] = "all",
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("reports/policy-fit"),
+):
+    """Guaranteed abstention threshold (Learn-then-Test) for an artifact on labelled questions; prints it with its
+    coverage, writes fit.json, scores.npz and selective_risk.png."""
+    from training.evaluate import DatasetSpec
+    from training.policy_fit import PolicyFitConfig, run_policy_fit
+
+    if not (0 < target_risk < 1 and 0 < delta < 1):
+        raise CalmError("--target-risk and --delta must be between 0 and 1")
+    s = run_policy_fit(PolicyFitConfig(artifact=str(artifact), dataset=DatasetSpec.parse(dataset), target_risk=target_risk,
+                                       delta=delta, limit=limit or None, domain=domain, out_dir=str(out)))
+    g, lf = s["guaranteed"], s["label_free"]
+    if g["threshold"] is None:
+        typer.echo(f"no threshold keeps error ≤ {target_risk} with probability ≥ {1 - delta} on {s['n']} labels: "
+                   "abstain on everything, or accept a larger risk")
+    else:
+        typer.echo(f"guaranteed threshold {g['threshold']:.2f}: coverage {g['coverage']:.3f}, error rate of the answers "
+                   f"let through {g['selective_risk']:.3f} on {s['n']} labels (α = {target_risk}, δ = {delta})")
+    typer.echo(f"label-free threshold {lf['threshold']:.2f}: coverage {lf['coverage']:.3f} (no guarantee)")
+    typer.echo(f"wrote {out}/fit.json, scores.npz, selective_risk.png")
 
 
 @app.command("train")

@@ -71,20 +71,3 @@ class AlphaHead:
 def apply_alpha(logits, scale, shift):
     """d ⊙ z + l over the last dimension; works for numpy arrays and torch tensors."""
     return logits * scale + shift
-
-
-def log_softmax_np(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = np.max(x, axis=axis, keepdims=True)
-    return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
-
-
-def option_probs(option_logits: np.ndarray, n_options: np.ndarray | None = None) -> np.ndarray:
-    """Softmax over each row's first n_options entries (the options' answer tokens); padding gets probability 0."""
-    option_logits = np.asarray(option_logits, dtype=np.float64)
-    if n_options is None:
-        return np.exp(log_softmax_np(option_logits))
-    mask = np.arange(option_logits.shape[1])[None, :] < np.asarray(n_options)[:, None]
-    masked = np.where(mask, option_logits, -np.inf)
-    probs = np.exp(log_softmax_np(masked))
-    return np.where(mask, probs, 0.0)

@@ -44,6 +44,23 @@ class OptionDistribution:
         return float(-(p * np.log(p)).sum())
 
 
+def log_softmax_np(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=axis, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+
+
+def option_probs(option_logits: np.ndarray, n_options: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over each row's first n_options entries (the options' answer tokens); padding gets probability 0."""
+    option_logits = np.asarray(option_logits, dtype=np.float64)
+    if n_options is None:
+        return np.exp(log_softmax_np(option_logits))
+    mask = np.arange(option_logits.shape[1])[None, :] < np.asarray(n_options)[:, None]
+    masked = np.where(mask, option_logits, -np.inf)
+    probs = np.exp(log_softmax_np(masked))
+    return np.where(mask, probs, 0.0)
+
+
 def option_distribution(logprobs: dict[int, float], option_token_ids: Sequence[int], chosen_token: int | None = None) -> OptionDistribution:
     """Renormalise the options' log-probs; the chosen option is the sampled one, else the most probable."""
     lp = [logprobs.get(t, -math.inf) for t in option_token_ids]
@@ -56,8 +73,7 @@ def options_softmax(scores: Sequence[float], chosen: int | None = None) -> Optio
     lp = np.asarray(scores, dtype=np.float64)
     if not np.isfinite(lp).any():
         raise ValueError("the engine returned no finite log-prob for any option")
-    lp = lp - lp.max()
-    probs = np.exp(lp) / np.exp(lp).sum()
+    probs = option_probs(lp[None])[0]
     return OptionDistribution(probs, int(np.argmax(probs)) if chosen is None else chosen)
 
 

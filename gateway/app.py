@@ -18,7 +18,8 @@ from gateway.errors import APIError, ErrorClass, classify, install_error_handler
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
-    ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, ModelCard, ModelList, PolicyOut,
+    ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, LabelUpload, LabelUploadResult,
+    ModelCard, ModelList, PolicyOut,
 )
 from gateway.serving import CalibratedService, ServedArtifact, response_key
 from gateway.settings import GatewaySettings
@@ -137,13 +138,15 @@ def create_app(
         if stored:
             confidences, outcomes = store.recent_feedback(domain, settings.feedback_window)
             monitor.observe_feedback(domain, req.correct, confidences, outcomes)
+            service.guarantees.on_feedback(domain)
         return FeedbackResponse(response_id=req.response_id, correct=req.correct, recorded=stored, domain=domain)
 
     # -- admin: abstention policies ------------------------------------------------------------------------------
     def policy_out(domain: str, body: dict, version: int) -> PolicyOut:
         policy = Policy.model_validate(body)
-        effective = resolve(policy, domain, monitor.reference(domain), None).threshold
-        return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"), effective_threshold=effective)
+        effective = resolve(policy, domain, monitor.reference(domain), None, service.guarantees.fit_for(domain))
+        return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"),
+                         effective_threshold=effective.threshold, state=effective.state)
 
     @app.get("/admin/policies")
     async def list_policies(_: str = Depends(admin)):
@@ -176,6 +179,7 @@ def create_app(
         except VersionConflict as e:
             raise APIError(409, str(e), "conflict_error") from None
         service.policies.refresh()
+        service.guarantees.on_policy_change()
         return policy_out(domain, policy.model_dump(mode="json"), version)
 
     @app.delete("/admin/policies/{domain}")
@@ -183,7 +187,17 @@ def create_app(
         if not store.delete_policy(checked_domain(domain), actor):
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
         service.policies.refresh()
+        service.guarantees.on_policy_change()
         return {"domain": domain, "deleted": True}
+
+    @app.post("/admin/labels/{domain}")
+    async def upload_labels(domain: str, upload: LabelUpload, _: str = Depends(admin)) -> LabelUploadResult:
+        domain = checked_domain(domain)
+        if domain == DEFAULT_DOMAIN or monitor.label(domain) != domain:
+            raise APIError(400, f"labels belong to a known serving domain, not {domain!r}", param="domain")
+        verdicts = await service.score_labelled(domain, upload.questions)
+        return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
+                                 labels=len(store.labelled_answers(domain)[0]))
 
     @app.get("/admin/audit")
     async def audit(domain: str | None = None, limit: int = 100, _: str = Depends(admin)):

@@ -39,6 +39,10 @@ class Metrics:
         self.feedback = Counter("calm_feedback_total", "Feedback received", ["domain", "correct"], registry=registry)
         self.online_accuracy = Gauge("calm_online_accuracy", "Accuracy from feedback (recent window)", ["domain"], registry=registry)
         self.online_ece = Gauge("calm_online_ece", "10-bin ECE from feedback (recent window)", ["domain"], registry=registry)
+        self.policy_threshold = Gauge("calm_policy_guaranteed_threshold", "Threshold of the domain's guaranteed-risk policy (1 = abstain on all)", ["domain"], registry=registry)
+        self.policy_labels = Gauge("calm_policy_guarantee_labels", "Labelled answers behind the guaranteed threshold", ["domain"], registry=registry)
+        self.policy_realised_risk = Gauge("calm_policy_realised_selective_risk", "Error rate of the answers let through, on feedback since the last fit", ["domain"], registry=registry)
+        self.policy_realised_answers = Gauge("calm_policy_realised_answers", "Answers let through with feedback since the last fit", ["domain"], registry=registry)
         self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
 
 

@@ -171,6 +171,7 @@ class Calibration(BaseModel):
     mode: Literal["multiple_choice", "free_form"]
     entropy: float
     options: list[OptionProbability] | None = None
+    policy_state: str | None = None  # guaranteed-risk policies: "guaranteed (n labels)" or the fallback in force
 
 
 class UsageInfo(BaseModel):
@@ -270,11 +271,42 @@ class FeedbackResponse(BaseModel):
     domain: str
 
 
+class LabelledQuestion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: StrictStr = Field(min_length=1)
+    options: list[StrictStr] = Field(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
+    answer: StrictInt = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _answer_is_an_option(self):
+        if self.answer >= len(self.options):
+            raise ValueError(f"answer {self.answer} is not one of the {len(self.options)} options (0-based)")
+        return self
+
+
+class LabelUpload(BaseModel):
+    """Labelled multiple-choice questions of a domain: the served artifact scores them and their verdicts become
+    labels for guaranteed-risk policies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    questions: list[LabelledQuestion] = Field(min_length=1, max_length=2000)
+
+
+class LabelUploadResult(BaseModel):
+    domain: str
+    scored: int
+    accuracy: float
+    labels: int  # the domain's labelled answers now
+
+
 class PolicyOut(BaseModel):
     domain: str
     version: int
     policy: dict
     effective_threshold: float
+    state: str | None = None  # guaranteed-risk policies: guaranteed, or the fallback in force and why
 
 
 class ErrorInfo(BaseModel):

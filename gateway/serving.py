@@ -21,13 +21,14 @@ from adapters.engine import (
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError
+from gateway.guarantees import GuaranteedThresholds
 from gateway.logprobs import Position, chat_logprobs, completion_logprobs, option_position, token_positions
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, resolve
 from gateway.prompting import PreparedPrompt, prepare_chat, prepare_completion
 from gateway.protocol import (
     Calibration, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
-    CompletionRequest, CompletionResponse, OptionProbability, SamplingFields, UsageInfo,
+    CompletionRequest, CompletionResponse, LabelledQuestion, OptionProbability, SamplingFields, UsageInfo,
 )
 from gateway.settings import GatewaySettings
 from gateway.store import Store
@@ -44,11 +45,16 @@ class PolicyBook:
         self._policies = {d: (Policy.model_validate(body), v) for d, (body, v) in self.store.list_policies().items()}
 
     def for_domain(self, domain: str) -> tuple[Policy | None, str]:
+        policy, key, version = self.in_force(domain)
+        return (policy, f"{key}:v{version}") if policy is not None else (None, "builtin")
+
+    def in_force(self, domain: str) -> tuple[Policy | None, str | None, int | None]:
+        """The policy that applies to a domain (its own, else the default), with its key and version."""
         for key in (domain, DEFAULT_DOMAIN):
             if key in self._policies:
                 policy, version = self._policies[key]
-                return policy, f"{key}:v{version}"
-        return None, "builtin"
+                return policy, key, version
+        return None, None, None
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,9 @@ class CalibratedService:
         self.store = store
         self.monitor = monitor
         self.policies = PolicyBook(store)
+        self.guarantees = GuaranteedThresholds(
+            store, monitor.metrics, lambda d: self.policies.in_force(d)[::2], monitor.reference,
+            settings.risk_refit_every)
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
         self.one_pass = artifact.answer_format == "cloze" and getattr(engine, "folded_scoring", False)
 
@@ -228,7 +237,7 @@ class CalibratedService:
 
     def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:
         policy, name = self.policies.for_domain(domain)
-        return resolve(policy, name, self.monitor.reference(domain), requested_threshold)
+        return resolve(policy, name, self.monitor.reference(domain), requested_threshold, self.guarantees.fit_for(domain))
 
     def option_answers(self, prompt: PreparedPrompt, choice: OptionChoice, domain: str, policy: ResolvedPolicy) -> list[Answer]:
         answers = []
@@ -258,14 +267,35 @@ class CalibratedService:
 
     def _calibration(self, confidence: float, raw_conf: float | None, entropy: float, mode: str, options,
                      domain: str, policy: ResolvedPolicy) -> Calibration:
-        below = confidence < policy.threshold
+        below = policy.below(confidence)
         abstained = below and policy.action is Action.ABSTAIN
         self.monitor.observe_answer(domain, confidence, entropy, below, abstained)
         return Calibration(
             confidence=confidence, raw_confidence=raw_conf, abstained=abstained, threshold=policy.threshold,
             policy=policy.name, domain=domain, artifact_version=self.engine.artifact_version, mode=mode,
-            entropy=entropy, options=options,
+            entropy=entropy, options=options, policy_state=policy.state,
         )
+
+    async def score_labelled(self, domain: str, questions: list[LabelledQuestion], concurrency: int = 8) -> list[bool]:
+        """Score labelled questions as served answers (greedy, calibrated, no raw pass) and store each one's
+        confidence and verdict as a label of the domain; neither metrics nor drift windows see them."""
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(q: LabelledQuestion) -> bool:
+            req = ChatCompletionRequest(model=self.engine.model_name, options=q.options,
+                                        messages=[{"role": "user", "content": q.question}])
+            prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
+            async with limit:
+                choice = await self.choose_option(prompt, self.engine_request(req, prompt, 1, 0), with_raw=False)
+            dist = choice.dists[0]
+            response_id = f"label-{uuid.uuid4().hex}"
+            self.store.record_response(response_id, domain, dist.confidence)
+            self.store.add_feedback(response_id, dist.chosen == q.answer)
+            return dist.chosen == q.answer
+
+        verdicts = await asyncio.gather(*(one(q) for q in questions))
+        self.guarantees.refit_domain(domain)
+        return list(verdicts)
 
     # -- endpoints -----------------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, domain: str):

@@ -52,6 +52,7 @@ class GatewaySettings(BaseSettings):
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True
+    risk_refit_every: int = Field(default=25, ge=1)  # guaranteed-risk policies: refit after this many new verdicts
 
     def engine_overrides(self) -> EngineOverrides:
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,

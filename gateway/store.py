@@ -41,6 +41,12 @@ CREATE TABLE IF NOT EXISTS feedback (
     at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_at ON feedback(at);
+CREATE TABLE IF NOT EXISTS risk_fits (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    domain TEXT NOT NULL,
+    fit TEXT NOT NULL,
+    at REAL NOT NULL
+);
 """
 
 
@@ -149,6 +155,43 @@ class Store:
                 "INSERT INTO feedback(response_id, correct, at) VALUES (?, ?, ?)", (response_id, int(correct), time.time())
             )
         return True
+
+    def labelled_answers(self, domain: str) -> tuple[list[float], list[bool]]:
+        """Every answer of the domain that has a verdict: (confidence, correct), oldest first."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT r.confidence, f.correct FROM feedback f JOIN responses r ON r.id = f.response_id "
+                "WHERE r.domain = ? ORDER BY f.at", (domain,)).fetchall()
+        return [r[0] for r in rows], [bool(r[1]) for r in rows]
+
+    def labelled_domains(self) -> list[str]:
+        with self._lock:
+            rows = self._conn.execute("SELECT DISTINCT r.domain FROM feedback f JOIN responses r ON r.id = f.response_id").fetchall()
+        return [r[0] for r in rows]
+
+    def feedback_since(self, domain: str, since: float) -> tuple[list[float], list[bool]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT r.confidence, f.correct FROM feedback f JOIN responses r ON r.id = f.response_id "
+                "WHERE r.domain = ? AND f.at > ?", (domain, since)).fetchall()
+        return [r[0] for r in rows], [bool(r[1]) for r in rows]
+
+    def record_risk_fit(self, domain: str, fit: dict, policy_version: int, previous: dict | None) -> float:
+        """Keep a guaranteed-threshold fit and audit it like a policy change; returns its time."""
+        at = time.time()
+        with self._lock, self._conn:
+            self._conn.execute("BEGIN IMMEDIATE")
+            self._conn.execute("INSERT INTO risk_fits(domain, fit, at) VALUES (?, ?, ?)", (domain, json.dumps(fit), at))
+            self._audit(domain, policy_version, "refit", json.dumps(previous) if previous else None, json.dumps(fit),
+                        "risk-control")
+        return at
+
+    def latest_risk_fits(self) -> dict[str, tuple[dict, float]]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT domain, fit, at FROM risk_fits WHERE seq IN (SELECT MAX(seq) FROM risk_fits GROUP BY domain)"
+            ).fetchall()
+        return {d: (json.loads(f), at) for d, f, at in rows}
 
     def recent_feedback(self, domain: str, limit: int = 500) -> tuple[list[float], list[bool]]:
         with self._lock:

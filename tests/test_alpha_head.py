@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from calm_core.alpha_head import AlphaHead, HeadKind, apply_alpha, log_softmax_np, option_probs
+from calm_core.alpha_head import AlphaHead, HeadKind, apply_alpha
+from calm_core.scoring import log_softmax_np, option_probs
 from calm_core.artifact import BaseModelRef, ReferenceHistogram, TokenizerRef, load_artifact, save_artifact
 from calm_core.errors import ArtifactError
 

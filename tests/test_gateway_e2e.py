@@ -11,7 +11,8 @@ import numpy as np
 import openai
 import pytest
 
-from calm_core.alpha_head import AlphaHead, apply_alpha, option_probs
+from calm_core.alpha_head import AlphaHead, apply_alpha
+from calm_core.scoring import option_probs
 from calm_core.artifact import load_artifact, save_artifact
 from calm_core.data import load_mc
 from calm_core.prompts import letter_prompt, letter_token_ids

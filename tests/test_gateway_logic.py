@@ -329,3 +329,96 @@ def _tiny_tokenizer():
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return tok
+
+
+def test_guaranteed_risk_policy_falls_back_until_enough_verdicts_then_guarantees(tmp_path):
+    """A guaranteed-risk policy through the app: the declared fallback (abstain on everything) until min_labels
+    verdicts exist, then the Learn-then-Test threshold; the fit is audited and exported as metrics."""
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact, ReferenceHistogram
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    edges = [round(0.1 * i, 1) for i in range(11)]
+    manifest = ArtifactManifest.model_construct(
+        reference_histograms={"science": ReferenceHistogram(bin_edges=edges, counts=[0] * 9 + [10])},
+        answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), FailingEngine(None),
+                     _tiny_tokenizer(), artifact)
+    admin = {"Authorization": "Bearer dev-admin-key"}
+    body = {"model": "m", "max_tokens": 4, "metadata": {"domain": "science"}, "messages": [{"role": "user", "content": "hello"}]}
+    with TestClient(app) as client:
+        policy = {"target_risk": 0.3, "delta": 0.1, "min_labels": 20, "fallback": "abstain_all", "action": "abstain"}
+        put = client.put("/admin/policies/science", json=policy, headers=admin)
+        assert put.status_code == 200 and put.json()["state"] == "fallback abstain_all (0 of 20 labels)"
+        assert client.put("/admin/policies/x", json={"threshold": 0.5, "delta": 0.1}, headers=admin).status_code == 400
+        ids = []
+        for i in range(20):
+            r = client.post("/v1/chat/completions", json=body).json()
+            if i == 0:
+                cal = r["choices"][0]["calibration"]
+                assert cal["abstained"] and cal["policy_state"] == "fallback abstain_all (0 of 20 labels)"
+            ids.append(r["id"])
+        for i, response_id in enumerate(ids):  # 19 right, 1 wrong: 5 % errors against a 30 % target
+            assert client.post("/v1/feedback", json={"response_id": response_id, "correct": i != 0}).status_code == 200
+        cal = client.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]
+        assert cal["policy_state"] == "guaranteed (20 labels)" and not cal["abstained"]
+        assert cal["threshold"] <= cal["confidence"]
+        audit = client.get("/admin/audit", params={"domain": "science"}, headers=admin).json()["data"]
+        refits = [a for a in audit if a["action"] == "refit"]
+        assert len(refits) == 1 and refits[0]["actor"] == "risk-control" and refits[0]["after"]["n_labels"] == 20
+        metrics = client.get("/metrics").text
+        assert 'calm_policy_guarantee_labels{domain="science"} 20.0' in metrics
+        assert f'calm_policy_guaranteed_threshold{{domain="science"}} {cal["threshold"]}' in metrics
+
+
+class LetterEngine(FailingEngine):
+    """Answers multiple choice: option A has probability 0.7, B 0.3 (of the asked letters), whatever the question."""
+
+    def __init__(self):
+        super().__init__(None)
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        a, b = request.option_token_ids[:2]
+        yield EngineDelta(text="A", token_ids=[a], token_logprobs=[math.log(0.7)],
+                          top_logprobs=[{a: math.log(0.7), b: math.log(0.3)}], prompt_tokens=3)
+
+
+def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact, ReferenceHistogram
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    edges = [round(0.1 * i, 1) for i in range(11)]
+    manifest = ArtifactManifest.model_construct(
+        reference_histograms={"science": ReferenceHistogram(bin_edges=edges, counts=[0] * 6 + [10, 0, 0, 0])},
+        answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), LetterEngine(), _tiny_tokenizer(),
+                     artifact)
+    admin = {"Authorization": "Bearer dev-admin-key"}
+    # The engine always answers A at confidence 0.7: right for the first 24 questions, wrong for the last 6.
+    questions = [{"question": "hello", "options": ["x", "y"], "answer": 0 if i < 24 else 1} for i in range(30)]
+    with TestClient(app) as client:
+        policy = {"target_risk": 0.4, "delta": 0.1, "min_labels": 30}
+        assert client.put("/admin/policies/science", json=policy, headers=admin).status_code == 200
+        r = client.post("/admin/labels/science", json={"questions": questions}, headers=admin)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"domain": "science", "scored": 30, "accuracy": 0.8, "labels": 30}
+        got = client.get("/admin/policies/science", headers=admin).json()
+        assert got["state"] == "guaranteed (30 labels)" and got["effective_threshold"] <= 0.7
+        assert client.post("/admin/labels/science", json={"questions": []}, headers=admin).status_code == 400
+        bad = client.post("/admin/labels/science", json={"questions": [{"question": "q", "options": ["a", "b"], "answer": 2}]},
+                          headers=admin)
+        assert bad.status_code == 400 and "not one of the 2 options" in bad.json()["error"]["message"]
+        assert client.post("/admin/labels/nowhere", json={"questions": questions}, headers=admin).status_code == 400
+        assert client.post("/admin/labels/science", json={"questions": questions}).status_code == 401
+        assert 'calm_answers_total{domain="science"}' not in client.get("/metrics").text  # labels are not live answers

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from calm_core.alpha_head import AlphaHead, option_probs
+from calm_core.alpha_head import AlphaHead
+from calm_core.scoring import option_probs
 from calm_core.data import MCQuestion
 from calm_core.prompts import AnswerFormatName
 from training.alpha_params import AlphaParams

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from calm_core.alpha_head import option_probs  # noqa: E402
+from calm_core.scoring import option_probs  # noqa: E402
 from calm_core.metrics import calibration_report, top_label  # noqa: E402
 from calm_core.plots import reliability_diagram  # noqa: E402
 from training.config import TrainConfig  # noqa: E402

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from calm_core.alpha_head import option_probs
+from calm_core.scoring import option_probs
 from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
 from calm_core.errors import ConfigError
 from calm_core.metrics import calibration_report, top_label

@@ -1,0 +1,98 @@
+"""`calm policy fit`: a guaranteed abstention threshold for an artifact from a labelled question set, offline.
+
+The artifact scores the questions as the gateway serves it (training/artifact_scoring.py); its confidences and
+verdicts give the Learn-then-Test threshold (calm_core/risk_control.py), next to the label-free threshold that trusts
+the calibration. Writes fit.json, scores.npz (each question's confidence and verdict) and selective_risk.png.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_core.artifact import load_artifact
+from calm_core.hashing import vocab_sha256
+from calm_core.models import resolve_model
+from calm_core.risk_control import guaranteed_threshold, label_free_threshold, risk_curve, selective_risk, start_from_reference
+from training.artifact_scoring import load_served_model, option_probabilities
+from training.artifacts import output_vocab_size
+from training.evaluate import DatasetSpec, question_sets
+from training.scoring import load_tokenizer
+
+
+@dataclass(frozen=True)
+class PolicyFitConfig:
+    artifact: str
+    dataset: DatasetSpec
+    target_risk: float
+    delta: float = 0.1
+    limit: int | None = None
+    seed: int = 0
+    domain: str = "all"  # whose reference histogram starts the test sequence and gives the label-free threshold
+    model: str | None = None
+    out_dir: str = "reports/policy-fit"
+
+
+def reference_of(manifest, domain: str) -> tuple[list[float], list[int]] | None:
+    ref = manifest.reference_histograms.get(domain) or manifest.reference_histograms.get("all")
+    return (ref.bin_edges, ref.counts) if ref else None
+
+
+def run_policy_fit(cfg: PolicyFitConfig) -> dict:
+    (label, questions), = question_sets((cfg.dataset,), cfg.limit, cfg.seed).items()
+    resolved = resolve_model(cfg.model, "float32")
+    tokenizer = load_tokenizer(resolved.path)
+    loaded = load_artifact(cfg.artifact, expect_vocab_size=output_vocab_size(resolved.path),
+                           expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
+    model = load_served_model(str(resolved.path), loaded.adapter_dir)
+    probs = option_probabilities(model, tokenizer, questions, loaded.manifest.answer_format, loaded.head)
+    labels = np.asarray([q.answer for q in questions])
+    confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == labels
+    reference = reference_of(loaded.manifest, cfg.domain)
+    start = start_from_reference(*reference) if reference else None
+    fit = guaranteed_threshold(confidence, correct, cfg.target_risk, cfg.delta,
+                               **({"start": start} if start is not None else {}))
+    label_free = label_free_threshold(*reference, cfg.target_risk) if reference else None
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out / "scores.npz", confidence=confidence, correct=correct,
+                        question_ids=np.asarray([q.id for q in questions]))
+    summary = {
+        "artifact": loaded.manifest.artifact_version, "dataset": label, "n": len(questions),
+        "accuracy": float(correct.mean()), "mean_confidence": float(confidence.mean()),
+        "sequence_start": start, "guaranteed": asdict(fit),
+        "label_free": {"threshold": label_free,
+                       **dict(zip(("coverage", "selective_risk"), selective_risk(confidence, correct, label_free)))},
+        "config": {**asdict(cfg), "dataset": label},
+    }
+    (out / "fit.json").write_text(json.dumps(summary, indent=2))
+    plot_selective_risk(confidence, correct, fit.threshold, label_free, cfg.target_risk, out / "selective_risk.png",
+                        f"{loaded.manifest.artifact_version} on {label}")
+    return summary
+
+
+def plot_selective_risk(confidence, correct, guaranteed: float | None, label_free: float | None, target: float,
+                        path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thresholds, coverage, risk = risk_curve(confidence, correct)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(coverage, risk, marker=".", label="selective risk on these answers")
+    ax.axhline(target, color="grey", linestyle="--", label=f"target risk {target}")
+    for t, name, colour in ((guaranteed, "guaranteed", "tab:green"), (label_free, "label-free", "tab:red")):
+        if t is not None:
+            c, r = selective_risk(confidence, correct, t)
+            ax.scatter([c], [r if r is not None else 0.0], color=colour, zorder=3, label=f"{name} t = {t:.2f}")
+    ax.set_xlabel("coverage (share of answers let through)")
+    ax.set_ylabel("error rate of the answers let through")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
