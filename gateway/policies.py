@@ -12,6 +12,7 @@ wrong at most a share r of the time. Until `min_labels` verdicts exist the decla
 from __future__ import annotations
 
 from enum import Enum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -40,6 +41,8 @@ class Policy(BaseModel):
     fallback: Fallback = Fallback.LABEL_FREE
     action: Action = Action.ANNOTATE
     message: str = Field(default="I'm not confident enough to answer this.", max_length=2000)
+    confidence: Literal["token", "semantic"] = "token"  # free-form estimator for the domain (a request overrides)
+    samples: int = Field(default=8, ge=2, le=32)  # semantic: answers sampled per request
 
     @model_validator(mode="after")
     def _one_rule(self):

@@ -20,6 +20,7 @@ from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 MAX_CHOICES = 16  # n; each choice is a full generation
 MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
 MAX_STOP = 4
+MAX_SAMPLES = 32  # semantic confidence: answers sampled in one engine call
 
 
 class OpenAIModel(BaseModel):
@@ -34,6 +35,8 @@ class CalmOptions(BaseModel):
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
     domain: StrictStr | None = None
     raw_confidence: StrictBool | None = None  # multiple choice: also score with the raw model (one more engine row)
+    confidence: Literal["token", "semantic"] | None = None  # free form; default: the domain's policy, else token
+    samples: StrictInt | None = Field(default=None, ge=2, le=MAX_SAMPLES)  # semantic: answers sampled per request
 
 
 class TextPart(BaseModel):
@@ -160,6 +163,11 @@ class OptionProbability(BaseModel):
     probability: float
 
 
+class ClusterOut(BaseModel):
+    answer: str  # the cluster's most probable member
+    size: int
+
+
 class Calibration(BaseModel):
     confidence: float
     raw_confidence: float | None
@@ -172,6 +180,8 @@ class Calibration(BaseModel):
     entropy: float
     options: list[OptionProbability] | None = None
     policy_state: str | None = None  # guaranteed-risk policies: "guaranteed (n labels)" or the fallback in force
+    method: Literal["token", "semantic"] | None = None  # free form: which confidence estimator
+    clusters: list[ClusterOut] | None = None  # semantic: meaning-equivalent groups of the sampled answers, largest first
 
 
 class UsageInfo(BaseModel):

@@ -28,8 +28,9 @@ from gateway.policies import Action, DEFAULT_DOMAIN, Policy, ResolvedPolicy, res
 from gateway.prompting import PreparedPrompt, prepare_chat, prepare_completion
 from gateway.protocol import (
     Calibration, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
-    CompletionRequest, CompletionResponse, LabelledQuestion, OptionProbability, SamplingFields, UsageInfo,
+    ClusterOut, CompletionRequest, CompletionResponse, LabelledQuestion, OptionProbability, SamplingFields, UsageInfo,
 )
+from calm_core.answers import in_cluster, semantic_clusters
 from gateway.settings import GatewaySettings
 from gateway.store import Store
 
@@ -254,7 +255,8 @@ class CalibratedService:
 
     def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy) -> Answer:
         confidence = sequence_confidence(out.token_logprobs)
-        calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy)
+        calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy,
+                                        method="token")
         return Answer(policy.message if calibration.abstained else out.text, out.finish_reason, calibration,
                       len(out.token_ids), self.positions(out))
 
@@ -266,14 +268,14 @@ class CalibratedService:
         return self.tokenizer.decode([token_id])
 
     def _calibration(self, confidence: float, raw_conf: float | None, entropy: float, mode: str, options,
-                     domain: str, policy: ResolvedPolicy) -> Calibration:
+                     domain: str, policy: ResolvedPolicy, method: str | None = None, clusters=None) -> Calibration:
         below = policy.below(confidence)
         abstained = below and policy.action is Action.ABSTAIN
         self.monitor.observe_answer(domain, confidence, entropy, below, abstained)
         return Calibration(
             confidence=confidence, raw_confidence=raw_conf, abstained=abstained, threshold=policy.threshold,
             policy=policy.name, domain=domain, artifact_version=self.engine.artifact_version, mode=mode,
-            entropy=entropy, options=options, policy_state=policy.state,
+            entropy=entropy, options=options, policy_state=policy.state, method=method, clusters=clusters,
         )
 
     async def score_labelled(self, domain: str, questions: list[LabelledQuestion], concurrency: int = 8) -> list[bool]:
@@ -336,15 +338,55 @@ class CalibratedService:
         request = self.engine_request(req, prompt, max_tokens, top)
         policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
         response_id = f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}"
+        samples = self.semantic_samples(req, domain) if not prompt.multiple_choice else None
+        if samples and req.n > 1:
+            raise APIError(400, "semantic confidence answers one question with one choice drawn from its samples; "
+                           "n must be 1", param="n")
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
-            return self._stream(response_id, view, prompt, request, domain, policy, self.wants_raw(req), usage)
-        return await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req))
+            return self._stream(response_id, view, prompt, request, domain, policy, self.wants_raw(req), usage, samples)
+        return await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req), samples)
 
-    async def _complete(self, prompt, request, domain, policy, response_id, with_raw) -> Served:
+    def semantic_samples(self, req: SamplingFields, domain: str) -> int | None:
+        """How many answers to sample when the free-form confidence is semantic (request, else the domain's policy)."""
+        policy, _ = self.policies.for_domain(domain)
+        method = (req.calm.confidence if req.calm and req.calm.confidence else None) or (
+            policy.confidence if policy else "token")
+        if method != "semantic":
+            return None
+        return (req.calm.samples if req.calm and req.calm.samples else None) or (policy.samples if policy else 8)
+
+    async def semantic_answer(self, request: EngineRequest, samples: int, domain: str, policy: ResolvedPolicy,
+                              with_raw: bool) -> tuple[Answer, int]:
+        """n answers sampled in one engine call, grouped by meaning; the answer is the largest group's most probable
+        member and its confidence the group's share. Raw: the share of that group among samples without the head."""
+        sampled = replace(request, n=samples, temperature=request.temperature or 1.0)
+        runs = [generate_choices(self.engine, sampled)]
+        if with_raw:
+            runs.append(generate_choices(self.engine, replace(sampled, request_id=request.request_id + "-raw",
+                                                              calibrated=False)))
+        outs, *raw = await asyncio.gather(*runs)
+        clusters = semantic_clusters([o.text for o in outs])
+        top = clusters[0]
+        best = max(top.members, key=lambda i: sequence_confidence(outs[i].token_logprobs))
+        shares = np.array([c.size for c in clusters], dtype=np.float64) / len(outs)
+        raw_conf = (sum(in_cluster(o.text, top) for o in raw[0]) / len(raw[0])) if raw else None
+        listed = [ClusterOut(answer=outs[max(c.members, key=lambda i: sequence_confidence(outs[i].token_logprobs))].text,
+                             size=c.size) for c in clusters]
+        calibration = self._calibration(top.size / len(outs), raw_conf, float(-(shares * np.log(shares)).sum()),
+                                        "free_form", None, domain, policy, method="semantic", clusters=listed)
+        out = outs[best]
+        text = policy.message if calibration.abstained else out.text
+        return Answer(text, out.finish_reason, calibration, sum(len(o.token_ids) for o in outs), self.positions(out)), \
+            outs[0].prompt_tokens
+
+    async def _complete(self, prompt, request, domain, policy, response_id, with_raw, samples=None) -> Served:
         if prompt.multiple_choice:
             choice = await self.choose_option(prompt, request, with_raw)
             served = Served(response_id, self.option_answers(prompt, choice, domain, policy), choice.prompt_tokens)
+        elif samples:
+            answer, prompt_tokens = await self.semantic_answer(request, samples, domain, policy, with_raw)
+            served = Served(response_id, [answer], prompt_tokens)
         else:
             outs = await generate_choices(self.engine, request)
             served = Served(response_id, [self.free_answer(o, domain, policy) for o in outs], outs[0].prompt_tokens)
@@ -355,12 +397,13 @@ class CalibratedService:
         for i, answer in enumerate(served.answers):
             self.store.record_response(response_key(served.response_id, i), domain, answer.calibration.confidence)
 
-    async def _stream(self, response_id, view, prompt, request, domain, policy, with_raw, include_usage) -> AsyncIterator[str]:
+    async def _stream(self, response_id, view, prompt, request, domain, policy, with_raw, include_usage,
+                      samples=None) -> AsyncIterator[str]:
         """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk.
 
-        Multiple choice and abstain policies need the whole answer before any text may be shown, so those are
-        buffered; free-form answers under an annotate policy stream token by token. Errors propagate: the app turns
-        them into an SSE error event (gateway/app.py).
+        Multiple choice, semantic confidence and abstain policies need the whole answer before any text may be shown,
+        so those are buffered; free-form answers under an annotate policy stream token by token. Errors propagate: the
+        app turns them into an SSE error event (gateway/app.py).
         """
         created = int(time.time())
 
@@ -374,8 +417,8 @@ class CalibratedService:
         try:
             if view.chat:
                 yield chunk([view.role_delta(i) for i in range(request.n)])
-            if prompt.multiple_choice or policy.action is Action.ABSTAIN:
-                served = await self._complete(prompt, request, domain, policy, response_id, with_raw)
+            if prompt.multiple_choice or samples or policy.action is Action.ABSTAIN:
+                served = await self._complete(prompt, request, domain, policy, response_id, with_raw, samples)
                 for i, answer in enumerate(served.answers):
                     yield chunk([view.delta(i, answer.text, answer.positions, first=True)])
                     yield chunk([view.finish(i, answer)])

@@ -118,6 +118,18 @@ def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
     assert 0 < cal["confidence"] <= 1 and cal["entropy"] >= 0
 
 
+def test_semantic_confidence_samples_in_one_call_and_returns_cluster_sizes(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, seed=0,
+        extra_body={"calm": {"confidence": "semantic", "samples": 8, "raw_confidence": False}})
+    cal = calibration(r.choices[0])
+    sizes = [c["size"] for c in cal["clusters"]]
+    assert cal["method"] == "semantic" and sum(sizes) == 8 and sizes == sorted(sizes, reverse=True)
+    assert cal["confidence"] == pytest.approx(sizes[0] / 8)
+    assert r.choices[0].message.content == cal["clusters"][0]["answer"]
+    assert r.usage.completion_tokens > 12  # eight sampled answers were generated
+
+
 def test_completions_endpoint(client):
     r = client.completions.create(model=MODEL, prompt="The capital of Italy is", max_tokens=6, temperature=0)
     assert r.choices[0].text and calibration(r.choices[0])["mode"] == "free_form"

@@ -422,3 +422,57 @@ def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_
         assert client.post("/admin/labels/nowhere", json={"questions": questions}, headers=admin).status_code == 400
         assert client.post("/admin/labels/science", json={"questions": questions}).status_code == 401
         assert 'calm_answers_total{domain="science"}' not in client.get("/metrics").text  # labels are not live answers
+
+
+class SamplingEngine(FailingEngine):
+    """n sampled answers in one call; answer i has token log-prob -(i + 1) / 10 (the first is the most probable)."""
+
+    TEXTS = ["It is Paris.", "London", "Paris", "paris", "The answer is London", "Rome"]
+
+    def __init__(self):
+        super().__init__(None)
+        self.requests = []
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        self.requests.append(request)
+        for i in range(request.n):
+            lp = -(i + 1) / 10
+            yield EngineDelta(text=self.TEXTS[i % len(self.TEXTS)], token_ids=[7], token_logprobs=[lp],
+                              top_logprobs=[{7: lp}], finish_reason="stop", prompt_tokens=3, index=i)
+
+
+def test_semantic_confidence_is_the_largest_clusters_share(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    engine = SamplingEngine()
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json={**body, "calm": {"confidence": "semantic", "samples": 6}}).json()
+        choice = r["choices"][0]
+        cal = choice["calibration"]
+        assert cal["method"] == "semantic" and cal["confidence"] == 0.5 and cal["raw_confidence"] == 0.5
+        assert [(c["answer"], c["size"]) for c in cal["clusters"]] == [("It is Paris.", 3), ("London", 2), ("Rome", 1)]
+        assert choice["message"]["content"] == "It is Paris."  # the largest cluster's most probable member
+        assert r["usage"]["completion_tokens"] == 6  # every sample was generated
+        sampled = [q for q in engine.requests if q.calibrated]
+        assert sampled[-1].n == 6 and sampled[-1].temperature == 1.0  # sampled, not greedy
+        assert any(not q.calibrated for q in engine.requests)  # the raw share: the same sampling without the head
+        token = client.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]
+        assert token["method"] == "token" and token["clusters"] is None
+        assert client.post("/v1/chat/completions", json={**body, "n": 2, "calm": {"confidence": "semantic"}}).status_code == 400
+        admin = {"Authorization": "Bearer dev-admin-key"}
+        assert client.put("/admin/policies/default", json={"threshold": 0.0, "confidence": "semantic", "samples": 4},
+                          headers=admin).status_code == 200
+        by_policy = client.post("/v1/chat/completions", json={**body, "stream": True}).text
+        assert '"method": "semantic"' in by_policy and '{"answer": "London", "size": 1}' in by_policy  # 4 samples, buffered
