@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import re
 import time
+from http import HTTPStatus
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -18,14 +19,19 @@ from gateway.errors import APIError, ErrorClass, classify, install_error_handler
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
-    ChatCompletionRequest, CompletionRequest, FeedbackRequest, FeedbackResponse, LabelUpload, LabelUploadResult,
-    ModelCard, ModelList, PolicyOut,
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest, FeedbackResponse, LabelUpload,
+    LabelUploadResult, ModelCard, ModelList, PolicyOut,
 )
 from gateway.serving import CalibratedService, ServedArtifact, response_key
 from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
 DOMAIN_HEADER = "x-calm-domain"
+
+
+def documented(*statuses: int) -> dict:
+    """OpenAPI entries for the error statuses a route answers, all in the OpenAI error shape."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
 _DOMAIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 
 
@@ -100,11 +106,11 @@ def create_app(
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=documented(400, 404, 500, 503))
     async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None)):
         return await observed("chat", service.chat, req, x_calm_domain)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=documented(400, 404, 500, 503))
     async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None)):
         return await observed("completions", service.completion, req, x_calm_domain)
 
@@ -112,7 +118,7 @@ def create_app(
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name)])
 
-    @app.get("/health")
+    @app.get("/health", responses=documented(503))
     async def health():
         await engine.check_health()
         return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version,
@@ -122,7 +128,7 @@ def create_app(
     async def prometheus_metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/feedback")
+    @app.post("/v1/feedback", responses=documented(400, 404, 409))
     async def feedback(req: FeedbackRequest) -> FeedbackResponse:
         key = response_key(req.response_id, req.choice_index)
         found = store.get_response(key)
@@ -148,18 +154,18 @@ def create_app(
         return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"),
                          effective_threshold=effective.threshold, state=effective.state)
 
-    @app.get("/admin/policies")
+    @app.get("/admin/policies", responses=documented(401, 403))
     async def list_policies(_: str = Depends(admin)):
         return {"data": [policy_out(d, b, v) for d, (b, v) in store.list_policies().items()]}
 
-    @app.get("/admin/policies/{domain}")
+    @app.get("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
     async def get_policy(domain: str, _: str = Depends(admin)) -> PolicyOut:
         found = store.get_policy(checked_domain(domain))
         if found is None:
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
         return policy_out(domain, *found)
 
-    @app.put("/admin/policies/{domain}")
+    @app.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 409))
     async def put_policy(domain: str, request: Request, actor: str = Depends(admin),
                          if_match: str | None = Header(default=None)) -> PolicyOut:
         checked_domain(domain)
@@ -182,7 +188,7 @@ def create_app(
         service.guarantees.on_policy_change()
         return policy_out(domain, policy.model_dump(mode="json"), version)
 
-    @app.delete("/admin/policies/{domain}")
+    @app.delete("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
     async def delete_policy(domain: str, actor: str = Depends(admin)):
         if not store.delete_policy(checked_domain(domain), actor):
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
@@ -190,7 +196,7 @@ def create_app(
         service.guarantees.on_policy_change()
         return {"domain": domain, "deleted": True}
 
-    @app.post("/admin/labels/{domain}")
+    @app.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 503))
     async def upload_labels(domain: str, upload: LabelUpload, _: str = Depends(admin)) -> LabelUploadResult:
         domain = checked_domain(domain)
         if domain == DEFAULT_DOMAIN or monitor.label(domain) != domain:
@@ -199,7 +205,7 @@ def create_app(
         return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                                  labels=len(store.labelled_answers(domain)[0]))
 
-    @app.get("/admin/audit")
+    @app.get("/admin/audit", responses=documented(401, 403))
     async def audit(domain: str | None = None, limit: int = 100, _: str = Depends(admin)):
         return {"data": store.audit_log(domain, max(1, min(limit, 1000)))}
 

@@ -121,4 +121,5 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail or phrase), kind)
+        # The framework's headers travel with the error: a 405 names the allowed methods in `Allow`.
+        return error_response(exc.status_code, str(exc.detail or phrase), kind, headers=getattr(exc, "headers", None))

@@ -476,3 +476,27 @@ def test_semantic_confidence_is_the_largest_clusters_share(tmp_path):
                           headers=admin).status_code == 200
         by_policy = client.post("/v1/chat/completions", json={**body, "stream": True}).text
         assert '"method": "semantic"' in by_policy and '{"answer": "London", "size": 1}' in by_policy  # 4 samples, buffered
+
+
+def test_openapi_documents_error_statuses_and_405_names_allowed_methods(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), FailingEngine(None),
+                     _tiny_tokenizer(), artifact)
+    with TestClient(app) as client:
+        spec = client.get("/openapi.json").json()
+        chat = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+        assert {"400", "404", "503"} <= set(chat)
+        assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert {"409"} <= set(spec["paths"]["/v1/feedback"]["post"]["responses"])
+        wrong = client.get("/v1/chat/completions")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["message"] == "Method Not Allowed"
