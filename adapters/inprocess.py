@@ -55,9 +55,7 @@ class InProcessVLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
-                 "folded": self.config.folded_model_path}
-        paths = {w: p for w, p in paths.items() if p}
+        paths = self._weights()
         for weights, path in paths.items():
             lora = weights == "base" and self.config.adapter_path is not None  # the adapter as a vLLM LoRA
             kwargs = self.config.engine_kwargs(path, lora=lora)
@@ -141,12 +139,15 @@ class InProcessVLLMEngine:
                 raise
             raise EngineRejected(str(e)) from None
 
+    def _weights(self) -> dict[str, str]:
+        """The weights each engine serves: "base", and "adapter" (merged) and "folded" where configured."""
+        paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
+                 "folded": self.config.folded_model_path}
+        return {w: p for w, p in paths.items() if p}
+
     def describe(self) -> dict:
-        weights = [w for w, p in (("base", self.config.model_path), ("adapter", self.config.merged_model_path),
-                                  ("folded", self.config.folded_model_path)) if p]
-        adapter = None if not (self.config.adapter_path or self.config.merged_model_path) else (
-            "merged" if self.config.merged_model_path else "lora")
-        return {"kind": "inprocess", "engines": weights, "adapter": adapter, **self.config.engine.as_dict()}
+        adapter = "merged" if self.config.merged_model_path else ("lora" if self.config.adapter_path else None)
+        return {"kind": "inprocess", "engines": list(self._weights()), "adapter": adapter, **self.config.engine.as_dict()}
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -66,6 +66,11 @@ def start_from_reference(bin_edges, counts, share: float = START_COVERAGE) -> fl
     return float(min(GRID[0], np.floor(lower.max() * 100) / 100)) if lower.size else float(GRID[0])
 
 
+def sequence_start(reference: tuple[list[float], list[int]] | None) -> float:
+    """Where the test sequence starts for an artifact's reference histogram (edges, counts); 0.99 without one."""
+    return start_from_reference(*reference) if reference else float(GRID[0])
+
+
 def guaranteed_threshold(confidence, correct, target_risk: float, delta: float, start: float = float(GRID[0])) -> RiskFit:
     """The smallest grid threshold t (at most `start`) with P(wrong | confidence ≥ t) ≤ target_risk, with probability
     at least 1 − delta."""

@@ -5,15 +5,15 @@ from __future__ import annotations
 import hmac
 import re
 import time
-from http import HTTPStatus
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from adapters.engine import EngineClient, EngineUnavailable
+from adapters.engine import EngineClient
 from calm_core.artifact import LoadedArtifact
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
 from gateway.monitoring import DomainMonitor, Metrics
@@ -27,12 +27,12 @@ from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
 DOMAIN_HEADER = "x-calm-domain"
+_DOMAIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 
 
 def documented(*statuses: int) -> dict:
     """OpenAPI entries for the error statuses a route answers, all in the OpenAI error shape."""
     return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
-_DOMAIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 
 
 def create_app(
@@ -88,7 +88,7 @@ def create_app(
                 yield piece
         except Exception as e:
             error = count_error(endpoint, domain, e)
-            if error.status >= 500 and not isinstance(e, EngineUnavailable):
+            if error.unexpected:
                 log.error("unhandled error in a %s stream", endpoint, exc_info=e)
             yield sse_error(error)
 

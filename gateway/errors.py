@@ -39,6 +39,7 @@ class ErrorClass:
     param: str | None = None
     code: str | None = None
     retry_after_s: int | None = None
+    unexpected: bool = False  # not a classified failure: our bug, logged with its traceback
 
     @property
     def headers(self) -> dict | None:
@@ -53,7 +54,7 @@ def classify(exc: BaseException) -> ErrorClass:
         return ErrorClass(400, "invalid_request_error", str(exc))
     if isinstance(exc, EngineUnavailable):
         return ErrorClass(503, "service_unavailable_error", f"model engine unavailable: {exc}", retry_after_s=5)
-    return ErrorClass(500, "internal_server_error", "internal error; it has been logged")
+    return ErrorClass(500, "internal_server_error", "internal error; it has been logged", unexpected=True)
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -105,7 +106,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     async def _classified(request: Request, exc: Exception):
         error = classify(exc)
-        if error.status >= 500 and not isinstance(exc, (APIError, EngineUnavailable)):
+        if error.unexpected:
             log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
 

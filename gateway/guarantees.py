@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict
 
-from calm_core.risk_control import RiskFit, guaranteed_threshold, selective_risk, start_from_reference
+from calm_core.risk_control import RiskFit, guaranteed_threshold, selective_risk, sequence_start
 from gateway.monitoring import Metrics
 from gateway.policies import Policy
 from gateway.store import Store
@@ -22,7 +22,7 @@ class GuaranteedThresholds:
     def __init__(self, store: Store, metrics: Metrics, policy_of, reference_of, refit_every: int = 25):
         self.store = store
         self.metrics = metrics
-        self.policy_of = policy_of  # domain -> (Policy | None, version | None): the policy in force there
+        self.policy_of = policy_of  # domain -> (Policy | None, key, version): the policy in force there (PolicyBook)
         self.reference_of = reference_of  # domain -> reference histogram (edges, counts) | None
         self.refit_every = refit_every
         self._lock = threading.Lock()
@@ -36,10 +36,16 @@ class GuaranteedThresholds:
         found = self._fits.get(domain)
         return found[0] if found else None
 
+    def _guaranteed(self, domain: str) -> tuple[Policy, int | None] | None:
+        """The domain's policy in force and its version, if it is a guaranteed risk."""
+        policy, _, version = self.policy_of(domain)
+        return (policy, version) if policy is not None and policy.kind == "guaranteed_risk" else None
+
     def on_feedback(self, domain: str) -> None:
-        policy, version = self.policy_of(domain)
-        if policy is None or policy.kind != "guaranteed_risk":
+        found = self._guaranteed(domain)
+        if found is None:
             return
+        policy, version = found
         with self._lock:
             self._pending[domain] = self._pending.get(domain, 0) + 1
             current = self.fit_for(domain)
@@ -48,40 +54,39 @@ class GuaranteedThresholds:
                 have >= policy.min_labels and (current is None or current.n_labels < policy.min_labels))
             if due:
                 self._refit(domain, policy, version)
-        found = self._fits.get(domain)
-        if found:
-            self._export(domain, *found)
+        self._export_current(domain)
 
     def refit_domain(self, domain: str) -> None:
         """Refit now (new labels arrived in bulk), if the domain's policy is a guaranteed risk."""
-        policy, version = self.policy_of(domain)
-        if policy is not None and policy.kind == "guaranteed_risk":
+        found = self._guaranteed(domain)
+        if found is not None:
             with self._lock:
-                self._refit(domain, policy, version)
-            found = self._fits.get(domain)
-            if found:
-                self._export(domain, *found)
+                self._refit(domain, *found)
+            self._export_current(domain)
 
     def on_policy_change(self) -> None:
         """Refit every labelled domain whose policy in force is a guaranteed risk (its target or δ may have changed)."""
         with self._lock:
             for domain in self.store.labelled_domains():
-                policy, version = self.policy_of(domain)
-                if policy is not None and policy.kind == "guaranteed_risk":
-                    self._refit(domain, policy, version)
+                found = self._guaranteed(domain)
+                if found is not None:
+                    self._refit(domain, *found)
 
     def _refit(self, domain: str, policy: Policy, version: int | None) -> None:
         confidence, correct = self.store.labelled_answers(domain)
         self._pending[domain] = 0
         if not confidence:
             return
-        reference = self.reference_of(domain)
-        start = start_from_reference(*reference) if reference else None
         fit = guaranteed_threshold(confidence, correct, policy.target_risk, policy.delta,
-                                   **({"start": start} if start is not None else {}))
+                                   start=sequence_start(self.reference_of(domain)))
         previous = self.fit_for(domain)
         at = self.store.record_risk_fit(domain, asdict(fit), version or 0, asdict(previous) if previous else None)
         self._fits[domain] = (fit, at)
+
+    def _export_current(self, domain: str) -> None:
+        found = self._fits.get(domain)
+        if found:
+            self._export(domain, *found)
 
     def _export(self, domain: str, fit: RiskFit, at: float) -> None:
         m = self.metrics

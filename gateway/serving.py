@@ -10,14 +10,16 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
 from adapters.engine import (
-    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices,
+    EngineClient, EngineDelta, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices,
 )
+from calm_core.answers import in_cluster, semantic_clusters
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError
@@ -30,7 +32,6 @@ from gateway.protocol import (
     Calibration, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice,
     ClusterOut, CompletionRequest, CompletionResponse, LabelledQuestion, OptionProbability, SamplingFields, UsageInfo,
 )
-from calm_core.answers import in_cluster, semantic_clusters
 from gateway.settings import GatewaySettings
 from gateway.store import Store
 
@@ -90,7 +91,9 @@ class Answer:
     finish_reason: str | None
     calibration: Calibration
     completion_tokens: int
-    positions: list[Position]
+    # The answer's log-prob positions, built only when a client asks for log-probs (decoding every alternative of
+    # every token would otherwise cost each response).
+    positions: Callable[[], list[Position]]
 
 
 @dataclass
@@ -122,9 +125,8 @@ class CalibratedService:
         self.store = store
         self.monitor = monitor
         self.policies = PolicyBook(store)
-        self.guarantees = GuaranteedThresholds(
-            store, monitor.metrics, lambda d: self.policies.in_force(d)[::2], monitor.reference,
-            settings.risk_refit_every)
+        self.guarantees = GuaranteedThresholds(store, monitor.metrics, self.policies.in_force, monitor.reference,
+                                               settings.risk_refit_every)
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
         self.one_pass = artifact.answer_format == "cloze" and getattr(engine, "folded_scoring", False)
 
@@ -250,7 +252,7 @@ class CalibratedService:
             # The answer's one log-prob is the chosen option's, under the options' distribution, whatever the format.
             answers.append(Answer(policy.message if calibration.abstained else letters[dist.chosen], "stop", calibration,
                                   choice.completion_tokens // len(choice.dists),
-                                  [option_position(letters, dist.probs, dist.chosen)]))
+                                  lambda d=dist: [option_position(letters, d.probs, d.chosen)]))
         return answers
 
     def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy) -> Answer:
@@ -258,9 +260,9 @@ class CalibratedService:
         calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy,
                                         method="token")
         return Answer(policy.message if calibration.abstained else out.text, out.finish_reason, calibration,
-                      len(out.token_ids), self.positions(out))
+                      len(out.token_ids), partial(self.positions, out))
 
-    def positions(self, out: EngineOutput) -> list[Position]:
+    def positions(self, out: EngineOutput | EngineDelta) -> list[Position]:
         return token_positions(out.token_ids, out.token_logprobs, out.top_logprobs, self.token_text)
 
     def token_text(self, token_id: int) -> str:
@@ -354,7 +356,8 @@ class CalibratedService:
             policy.confidence if policy else "token")
         if method != "semantic":
             return None
-        return (req.calm.samples if req.calm and req.calm.samples else None) or (policy.samples if policy else 8)
+        return (req.calm.samples if req.calm and req.calm.samples else None) or (
+            policy.samples if policy else Policy.model_fields["samples"].default)
 
     async def semantic_answer(self, request: EngineRequest, samples: int, domain: str, policy: ResolvedPolicy,
                               with_raw: bool) -> tuple[Answer, int]:
@@ -368,17 +371,18 @@ class CalibratedService:
         outs, *raw = await asyncio.gather(*runs)
         clusters = semantic_clusters([o.text for o in outs])
         top = clusters[0]
-        best = max(top.members, key=lambda i: sequence_confidence(outs[i].token_logprobs))
+        # Each cluster's most probable member: the first one answers, every one names its cluster.
+        best = [max(c.members, key=lambda i: sequence_confidence(outs[i].token_logprobs)) for c in clusters]
         shares = np.array([c.size for c in clusters], dtype=np.float64) / len(outs)
         raw_conf = (sum(in_cluster(o.text, top) for o in raw[0]) / len(raw[0])) if raw else None
-        listed = [ClusterOut(answer=outs[max(c.members, key=lambda i: sequence_confidence(outs[i].token_logprobs))].text,
-                             size=c.size) for c in clusters]
+        listed = [ClusterOut(answer=outs[i].text, size=c.size) for i, c in zip(best, clusters)]
         calibration = self._calibration(top.size / len(outs), raw_conf, float(-(shares * np.log(shares)).sum()),
                                         "free_form", None, domain, policy, method="semantic", clusters=listed)
-        out = outs[best]
+        out = outs[best[0]]
         text = policy.message if calibration.abstained else out.text
-        return Answer(text, out.finish_reason, calibration, sum(len(o.token_ids) for o in outs), self.positions(out)), \
-            outs[0].prompt_tokens
+        answer = Answer(text, out.finish_reason, calibration, sum(len(o.token_ids) for o in outs),
+                        partial(self.positions, out))
+        return answer, outs[0].prompt_tokens
 
     async def _complete(self, prompt, request, domain, policy, response_id, with_raw, samples=None) -> Served:
         if prompt.multiple_choice:
@@ -427,7 +431,7 @@ class CalibratedService:
                 async for delta in self.engine.stream(request):
                     deltas.append(delta)
                     if delta.text or delta.token_ids:
-                        positions = self.positions(EngineOutput.collect([delta]))
+                        positions = partial(self.positions, delta)
                         yield chunk([view.delta(delta.index, delta.text, positions, first=delta.index not in started)])
                         started.add(delta.index)
                 outs = EngineOutput.collect_choices(deltas, request.n)
@@ -452,33 +456,33 @@ class WireView:
     model: str
     logprobs: int | None
     echo: str = ""
-    _offsets: dict[int, int] | None = None
+    _offsets: dict[int, int] = field(default_factory=dict)  # streamed completions: text offset per choice so far
 
     @property
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def chat_logprobs(self, positions: list[Position]):
-        return chat_logprobs(positions, self.logprobs) if self.logprobs is not None else None
+    def chat_logprobs(self, positions: Callable[[], list[Position]]):
+        return chat_logprobs(positions(), self.logprobs) if self.logprobs is not None else None
 
-    def completion_logprobs(self, positions: list[Position], text_offset: int = 0):
-        return completion_logprobs(positions, self.logprobs, text_offset) if self.logprobs is not None else None
+    def completion_logprobs(self, positions: Callable[[], list[Position]], text_offset: int = 0):
+        return completion_logprobs(positions(), self.logprobs, text_offset) if self.logprobs is not None else None
 
     def role_delta(self, index: int) -> dict:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, index: int, text: str, positions: list[Position], first: bool) -> dict:
+    def delta(self, index: int, text: str, positions: Callable[[], list[Position]], first: bool) -> dict:
         if self.chat:
             lp = self.chat_logprobs(positions)
             return {"index": index, "delta": {"content": text} if text else {},
                     "logprobs": lp.model_dump() if lp is not None else None, "finish_reason": None}
-        offsets = self._offsets if self._offsets is not None else {}
-        self._offsets = offsets
-        prefix = self.echo if first else ""
-        lp = self.completion_logprobs(positions, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + sum(len(p.token) for p in positions)
-        return {"index": index, "text": prefix + text, "logprobs": lp.model_dump() if lp is not None else None,
-                "finish_reason": None}
+        lp = None
+        if self.logprobs is not None:
+            built = positions()
+            lp = completion_logprobs(built, self.logprobs, self._offsets.get(index, 0))
+            self._offsets[index] = self._offsets.get(index, 0) + sum(len(p.token) for p in built)
+        return {"index": index, "text": (self.echo if first else "") + text,
+                "logprobs": lp.model_dump() if lp is not None else None, "finish_reason": None}
 
     def finish(self, index: int, answer: Answer) -> dict:
         body = {"index": index, "finish_reason": answer.finish_reason, "logprobs": None,

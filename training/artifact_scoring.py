@@ -14,11 +14,21 @@ import numpy as np
 import torch
 
 from calm_core.alpha_head import AlphaHead
+from calm_core.artifact import LoadedArtifact, load_artifact
 from calm_core.scoring import option_probs
 from calm_core.data import MCQuestion
+from calm_core.hashing import vocab_sha256
 from calm_core.prompts import AnswerFormatName
 from training.alpha_params import AlphaParams
 from training.answer_formats import answer_format
+from training.artifacts import output_vocab_size
+
+
+def load_verified_artifact(path: str | Path, model_path: str, tokenizer) -> LoadedArtifact:
+    """The artifact, refused with a one-line error unless it fits this model's vocabulary and tokenizer (checked
+    before any weights load: a mismatch should fail in a second, not a minute)."""
+    return load_artifact(path, expect_vocab_size=output_vocab_size(model_path),
+                         expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
 
 
 def load_served_model(model_path: str, adapter_dir: Path | None, dtype: str = "float32"):

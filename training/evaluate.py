@@ -16,16 +16,13 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from calm_core.artifact import load_artifact
 from calm_core.data import MCQuestion, default_split, load_mc, load_mc_file
 from calm_core.errors import ConfigError, DataError
-from calm_core.hashing import vocab_sha256
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.plots import reliability_diagram
 from calm_core.prompts import AnswerFormatName
-from training.artifact_scoring import load_served_model, option_probabilities
-from training.artifacts import output_vocab_size
+from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
 from training.scoring import load_tokenizer
 
 
@@ -87,12 +84,8 @@ def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
     resolved = resolve_model(cfg.model, cfg.dtype)
     tokenizer = load_tokenizer(resolved.path)
     head, artifact_version, adapter, fmt = None, None, None, cfg.answer_format or "letter"
-    if cfg.artifact:  # verified before the weights load: a mismatch should fail in a second, not a minute
-        loaded = load_artifact(
-            cfg.artifact,
-            expect_vocab_size=output_vocab_size(resolved.path),
-            expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()),
-        )
+    if cfg.artifact:
+        loaded = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
         if cfg.answer_format and cfg.answer_format != loaded.manifest.answer_format:
             raise ConfigError(f"artifact {loaded.manifest.artifact_version} is fitted on {loaded.manifest.answer_format} "
                               f"scoring; scoring it as {cfg.answer_format} would report a model nobody serves")

@@ -13,12 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_core.artifact import load_artifact
-from calm_core.hashing import vocab_sha256
 from calm_core.models import resolve_model
-from calm_core.risk_control import guaranteed_threshold, label_free_threshold, risk_curve, selective_risk, start_from_reference
-from training.artifact_scoring import load_served_model, option_probabilities
-from training.artifacts import output_vocab_size
+from calm_core.risk_control import guaranteed_threshold, label_free_threshold, risk_curve, selective_risk, sequence_start
+from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
 from training.evaluate import DatasetSpec, question_sets
 from training.scoring import load_tokenizer
 
@@ -45,16 +42,14 @@ def run_policy_fit(cfg: PolicyFitConfig) -> dict:
     (label, questions), = question_sets((cfg.dataset,), cfg.limit, cfg.seed).items()
     resolved = resolve_model(cfg.model, "float32")
     tokenizer = load_tokenizer(resolved.path)
-    loaded = load_artifact(cfg.artifact, expect_vocab_size=output_vocab_size(resolved.path),
-                           expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
+    loaded = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
     model = load_served_model(str(resolved.path), loaded.adapter_dir)
     probs = option_probabilities(model, tokenizer, questions, loaded.manifest.answer_format, loaded.head)
     labels = np.asarray([q.answer for q in questions])
     confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == labels
     reference = reference_of(loaded.manifest, cfg.domain)
-    start = start_from_reference(*reference) if reference else None
-    fit = guaranteed_threshold(confidence, correct, cfg.target_risk, cfg.delta,
-                               **({"start": start} if start is not None else {}))
+    start = sequence_start(reference)
+    fit = guaranteed_threshold(confidence, correct, cfg.target_risk, cfg.delta, start=start)
     label_free = label_free_threshold(*reference, cfg.target_risk) if reference else None
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
