@@ -16,11 +16,12 @@ from pydantic import ValidationError
 from adapters.engine import EngineClient
 from calm_core.artifact import LoadedArtifact
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
+from gateway.keys import ClientKey, KeyRing, issue_key
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
-    ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest, FeedbackResponse, LabelUpload,
-    LabelUploadResult, ModelCard, ModelList, PolicyOut,
+    ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest, FeedbackResponse, KeyCreate, KeyCreated,
+    KeyList, KeyOut, LabelUpload, LabelUploadResult, ModelCard, ModelList, PolicyOut,
 )
 from gateway.serving import CalibratedService, ServedArtifact, response_key
 from gateway.settings import GatewaySettings
@@ -70,6 +71,12 @@ def create_app(
             raise APIError(403, "admin key is not valid", "permission_error")
         return "admin"
 
+    keyring = KeyRing(store, settings.api_keys_required)
+    app.state.keyring = keyring
+
+    def client(authorization: str | None = Header(default=None)) -> ClientKey | None:
+        return keyring.authenticate(authorization)
+
     def checked_domain(domain: str) -> str:
         if domain != DEFAULT_DOMAIN and not _DOMAIN_NAME.match(domain):
             raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters", param="domain")
@@ -92,10 +99,11 @@ def create_app(
                 log.error("unhandled error in a %s stream", endpoint, exc_info=e)
             yield sse_error(error)
 
-    async def observed(endpoint: str, call, req, domain_header):
+    async def observed(endpoint: str, call, req, domain_header, key: ClientKey | None):
         start = time.perf_counter()
         domain = service.domain_of(req, domain_header)
         try:
+            keyring.admit(key, domain)
             result = await call(req, domain)
         except Exception as e:
             count_error(endpoint, domain, e)
@@ -106,16 +114,18 @@ def create_app(
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/chat/completions", responses=documented(400, 404, 500, 503))
-    async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None)):
-        return await observed("chat", service.chat, req, x_calm_domain)
+    @app.post("/v1/chat/completions", responses=documented(400, 401, 403, 404, 429, 500, 503))
+    async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),
+                               key: ClientKey | None = Depends(client)):
+        return await observed("chat", service.chat, req, x_calm_domain, key)
 
-    @app.post("/v1/completions", responses=documented(400, 404, 500, 503))
-    async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None)):
-        return await observed("completions", service.completion, req, x_calm_domain)
+    @app.post("/v1/completions", responses=documented(400, 401, 403, 404, 429, 500, 503))
+    async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None),
+                          key: ClientKey | None = Depends(client)):
+        return await observed("completions", service.completion, req, x_calm_domain, key)
 
-    @app.get("/v1/models")
-    async def models() -> ModelList:
+    @app.get("/v1/models", responses=documented(401))
+    async def models(_: ClientKey | None = Depends(client)) -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name)])
 
     @app.get("/health", responses=documented(503))
@@ -128,8 +138,8 @@ def create_app(
     async def prometheus_metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/feedback", responses=documented(400, 404, 409))
-    async def feedback(req: FeedbackRequest) -> FeedbackResponse:
+    @app.post("/v1/feedback", responses=documented(400, 401, 403, 404, 409, 429))
+    async def feedback(req: FeedbackRequest, client_key: ClientKey | None = Depends(client)) -> FeedbackResponse:
         key = response_key(req.response_id, req.choice_index)
         found = store.get_response(key)
         if found is None:
@@ -137,6 +147,7 @@ def create_app(
             raise APIError(404, f"no {what}response with id {req.response_id!r}", "not_found_error",
                            "choice_index" if req.choice_index and store.get_response(req.response_id) else "response_id")
         domain, _ = found
+        keyring.admit(client_key, domain)
         stored = store.add_feedback(key, req.correct)
         if stored is None:
             raise APIError(409, f"response {req.response_id!r} already has different feedback", "conflict_error",
@@ -204,6 +215,30 @@ def create_app(
         verdicts = await service.score_labelled(domain, upload.questions)
         return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                                  labels=len(store.labelled_answers(domain)[0]))
+
+    # -- admin: client API keys -----------------------------------------------------------------------------------
+    def key_out(key: ClientKey) -> KeyOut:
+        return KeyOut(id=key.id, name=key.name, domains=list(key.domains) if key.domains else None,
+                      requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at)
+
+    @app.post("/admin/keys", responses=documented(400, 401, 403), status_code=201)
+    async def create_key(body: KeyCreate, _: str = Depends(admin)) -> KeyCreated:
+        for domain in body.domains or []:
+            checked_domain(domain)
+        created = issue_key(store, body.name, body.domains, body.requests_per_minute)
+        keyring.refresh()
+        return created
+
+    @app.get("/admin/keys", responses=documented(401, 403))
+    async def list_keys(_: str = Depends(admin)) -> KeyList:
+        return KeyList(data=[key_out(k) for k, _ in store.client_keys()])
+
+    @app.delete("/admin/keys/{key_id}", responses=documented(401, 403, 404))
+    async def revoke_key(key_id: str, _: str = Depends(admin)):
+        if not store.revoke_client_key(key_id):
+            raise APIError(404, f"no active API key with id {key_id!r}", "not_found_error", "key_id")
+        keyring.refresh()
+        return {"id": key_id, "revoked": True}
 
     @app.get("/admin/audit", responses=documented(401, 403))
     async def audit(domain: str | None = None, limit: int = 100, _: str = Depends(admin)):

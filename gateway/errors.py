@@ -26,9 +26,10 @@ log = logging.getLogger("calm.gateway")
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ErrorClass:
 def classify(exc: BaseException) -> ErrorClass:
     """The status and error type of an exception raised while serving a request."""
     if isinstance(exc, APIError):
-        return ErrorClass(exc.status, exc.type, exc.message, exc.param, exc.code)
+        return ErrorClass(exc.status, exc.type, exc.message, exc.param, exc.code, exc.retry_after_s)
     if isinstance(exc, EngineRejected):
         return ErrorClass(400, "invalid_request_error", str(exc))
     if isinstance(exc, EngineUnavailable):

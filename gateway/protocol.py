@@ -319,6 +319,34 @@ class PolicyOut(BaseModel):
     state: str | None = None  # guaranteed-risk policies: guaranteed, or the fallback in force and why
 
 
+class KeyCreate(BaseModel):
+    """A client API key to create: who it is for, the domains it may use (all when omitted), its rate limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = Field(min_length=1, max_length=128)
+    domains: list[StrictStr] | None = Field(default=None, min_length=1)
+    requests_per_minute: float | None = Field(default=None, gt=0, le=1_000_000)
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    domains: list[str] | None
+    requests_per_minute: float | None
+    created_at: float
+    revoked_at: float | None = None
+
+
+class KeyCreated(KeyOut):
+    key: str  # shown once; only its hash is stored
+
+
+class KeyList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[KeyOut]
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -42,6 +42,9 @@ class GatewaySettings(BaseSettings):
     enable_prefix_caching: bool | None = None  # CUDA true; CPU vLLM's default
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     admin_key: str = DEV_ADMIN_KEY
+    # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
+    # development a request without a key (or with a placeholder that is not a calm key) passes.
+    require_api_keys: bool | None = None
     db_path: Path = Field(default_factory=lambda: Path(".calm/gateway.sqlite3"))
     domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
     drift_window: int = 200
@@ -53,6 +56,10 @@ class GatewaySettings(BaseSettings):
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True
     risk_refit_every: int = Field(default=25, ge=1)  # guaranteed-risk policies: refit after this many new verdicts
+
+    @property
+    def api_keys_required(self) -> bool:
+        return self.environment == "production" if self.require_api_keys is None else self.require_api_keys
 
     def engine_overrides(self) -> EngineOverrides:
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,

@@ -12,6 +12,8 @@ import threading
 import time
 from pathlib import Path
 
+from gateway.keys import ClientKey
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS policies (
     domain TEXT PRIMARY KEY,
@@ -41,6 +43,15 @@ CREATE TABLE IF NOT EXISTS feedback (
     at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_at ON feedback(at);
+CREATE TABLE IF NOT EXISTS client_keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    key_sha256 TEXT NOT NULL UNIQUE,
+    domains TEXT,
+    requests_per_minute REAL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
 CREATE TABLE IF NOT EXISTS risk_fits (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     domain TEXT NOT NULL,
@@ -201,6 +212,39 @@ class Store:
                 (domain, limit),
             ).fetchall()
         return [r[0] for r in rows], [bool(r[1]) for r in rows]
+
+
+    # -- client keys (hashes only; the key itself is shown once, at creation) ------------------------------------
+    def add_client_key(self, key_id: str, name: str, key_sha256: str, domains: list[str] | None,
+                       requests_per_minute: float | None) -> float:
+        at = time.time()
+        with self._lock, self._conn:
+            self._conn.execute(
+                "INSERT INTO client_keys(id, name, key_sha256, domains, requests_per_minute, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (key_id, name, key_sha256, json.dumps(domains) if domains is not None else None, requests_per_minute, at))
+            self._audit(f"key:{key_id}", 1, "create", None, json.dumps({"name": name, "domains": domains,
+                                                                         "requests_per_minute": requests_per_minute}),
+                        "admin")
+        return at
+
+    def revoke_client_key(self, key_id: str) -> bool:
+        with self._lock, self._conn:
+            cur = self._conn.execute("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                     (time.time(), key_id))
+            if cur.rowcount:
+                self._audit(f"key:{key_id}", 2, "revoke", None, None, "admin")
+        return bool(cur.rowcount)
+
+    def client_keys(self) -> list[tuple[ClientKey, str]]:
+        with self._lock:
+            rows = self._conn.execute("SELECT id, name, domains, requests_per_minute, created_at, revoked_at, key_sha256 "
+                                      "FROM client_keys ORDER BY created_at").fetchall()
+        return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5]), r[6]) for r in rows]
+
+    def active_client_keys(self) -> dict[str, ClientKey]:
+        """key hash -> ClientKey, revoked keys left out."""
+        return {digest: key for key, digest in self.client_keys() if key.revoked_at is None}
 
 
 class VersionConflict(Exception):

@@ -1,0 +1,114 @@
+"""Client API keys through the official openai client against the gateway app (a fake engine: these are tests of the
+key logic; the real engine is exercised elsewhere)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.keys import KeyRing, TokenBucket, hash_key
+from gateway.store import Store
+from tests.test_gateway_logic import FailingEngine, _tiny_tokenizer
+
+ADMIN = {"Authorization": "Bearer dev-admin-key"}
+
+
+class QuietEngine(FailingEngine):
+    def __init__(self):
+        super().__init__(None)
+
+    def describe(self) -> dict:
+        return {"kind": "fake"}
+
+
+def make_app(tmp_path, **settings):
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1", free_form_version=None)
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m", domains=["science", "medicine"],
+                                      **settings), QuietEngine(), _tiny_tokenizer(), artifact)
+
+
+def ask(http: TestClient, key: str, domain: str = "science"):
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+    return client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                          metadata={"domain": domain})
+
+
+def test_keys_are_required_in_production_restricted_to_domains_rate_limited_and_revocable(tmp_path):
+    app = make_app(tmp_path, environment="production", admin_key="a-real-admin-key")
+    admin = {"Authorization": "Bearer a-real-admin-key"}
+    with TestClient(app) as http:
+        with pytest.raises(openai.AuthenticationError, match="not valid"):
+            ask(http, "sk-anything")
+        r = http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        # The admin key is not a client key, and a client key is not an admin key.
+        with pytest.raises(openai.AuthenticationError):
+            ask(http, "a-real-admin-key")
+        created = http.post("/admin/keys", json={"name": "team-a", "domains": ["science"], "requests_per_minute": 3},
+                            headers=admin)
+        assert created.status_code == 201, created.text
+        key = created.json()["key"]
+        assert http.get("/admin/keys", headers={"Authorization": f"Bearer {key}"}).status_code == 403
+        assert ask(http, key).choices[0].message.content == "Hi"
+        with pytest.raises(openai.PermissionDeniedError, match="domain 'medicine'"):
+            ask(http, key, "medicine")
+        ask(http, key)
+        ask(http, key)  # three requests per minute: the burst is spent (the refused one took no token)
+        with pytest.raises(openai.RateLimitError) as limited:
+            ask(http, key)
+        assert int(limited.value.response.headers["Retry-After"]) >= 1
+        assert limited.value.response.json()["error"]["type"] == "rate_limit_error"
+        metrics = http.get("/metrics").text
+        assert 'calm_requests_total{domain="science",endpoint="chat",status="429"} 1.0' in metrics
+        # Stored hashed: the key itself is nowhere in the database.
+        listed = http.get("/admin/keys", headers=admin).json()["data"]
+        assert [k["name"] for k in listed] == ["team-a"] and "key" not in listed[0]
+        assert key.encode() not in (tmp_path / "g.db").read_bytes()
+        assert http.delete(f"/admin/keys/{created.json()['id']}", headers=admin).status_code == 200
+        with pytest.raises(openai.AuthenticationError, match="revoked"):
+            ask(http, key)
+        assert http.delete(f"/admin/keys/{created.json()['id']}", headers=admin).status_code == 404
+        bad = http.post("/admin/keys", json={"name": "x", "requests_per_minute": -1}, headers=admin)
+        assert bad.status_code == 400 and bad.json()["error"]["param"]
+
+
+def test_development_lets_placeholder_keys_through_but_checks_calm_keys(tmp_path):
+    app = make_app(tmp_path)
+    with TestClient(app) as http:
+        assert ask(http, "unused").choices[0].message.content == "Hi"  # the docs' placeholder keeps working
+        with pytest.raises(openai.AuthenticationError):
+            ask(http, "calm-deadbeef-not-a-real-secret")  # a calm key that is wrong is refused, not ignored
+        key = http.post("/admin/keys", json={"name": "dev"}, headers=ADMIN).json()["key"]
+        assert ask(http, key, "medicine").choices[0].message.content == "Hi"  # no domain list: every domain
+
+
+def test_a_revocation_by_another_replica_reaches_this_one_within_the_refresh_interval(tmp_path):
+    from gateway.keys import issue_key
+
+    now = [0.0]
+    store = Store(tmp_path / "shared.db")
+    ring = KeyRing(Store(tmp_path / "shared.db"), required=True, clock=lambda: now[0])
+    created = issue_key(store, "k", None, None)
+    assert ring.authenticate(f"Bearer {created.key}").id == created.id
+    store.revoke_client_key(created.id)
+    assert ring.authenticate(f"Bearer {created.key}").id == created.id  # cached
+    now[0] += 6.0
+    with pytest.raises(Exception, match="revoked"):
+        ring.authenticate(f"Bearer {created.key}")
+    assert hash_key(created.key) not in store.active_client_keys()
+
+
+def test_token_bucket_refills_at_the_rate():
+    bucket = TokenBucket(per_minute=60, now=0.0)
+    assert all(bucket.take(0.0) == 0.0 for _ in range(60))
+    assert bucket.take(0.0) == pytest.approx(1.0)
+    assert bucket.take(0.5) == pytest.approx(0.5)
+    assert bucket.take(1.0) == 0.0
