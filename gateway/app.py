@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -17,6 +18,7 @@ from adapters.engine import EngineClient
 from calm_core.artifact import LoadedArtifact
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
 from gateway.keys import ClientKey, KeyRing, issue_key
+from gateway.limits import InFlight, body_size_limit, deadline
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
@@ -60,6 +62,9 @@ def create_app(
 
     app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    body_size_limit(app, settings.max_body_bytes)
+    in_flight = InFlight(settings.max_in_flight)
+    app.state.in_flight = in_flight
     service = CalibratedService(settings, engine, tokenizer, store, monitor, ServedArtifact.of(artifact.manifest))
     app.state.service = service
 
@@ -102,24 +107,32 @@ def create_app(
     async def observed(endpoint: str, call, req, domain_header, key: ClientKey | None):
         start = time.perf_counter()
         domain = service.domain_of(req, domain_header)
+        streaming = False
         try:
             keyring.admit(key, domain)
-            result = await call(req, domain)
+            in_flight.acquire()
+            try:
+                async with deadline(settings.request_deadline_s):
+                    result = await call(req, domain)
+                streaming = hasattr(result, "__aiter__")
+            finally:
+                if not streaming:
+                    in_flight.release()
         except Exception as e:
             count_error(endpoint, domain, e)
             raise
         metrics.requests.labels(endpoint, domain, "200").inc()
-        if hasattr(result, "__aiter__"):
-            return StreamingResponse(sse(endpoint, domain, result), media_type="text/event-stream")
+        if streaming:  # the slot is held until the stream's last chunk
+            return StreamingResponse(in_flight.hold_stream(sse(endpoint, domain, result)), media_type="text/event-stream")
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
         return JSONResponse(result.model_dump())
 
-    @app.post("/v1/chat/completions", responses=documented(400, 401, 403, 404, 429, 500, 503))
+    @app.post("/v1/chat/completions", responses=documented(400, 401, 403, 404, 413, 429, 500, 503, 504))
     async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),
                                key: ClientKey | None = Depends(client)):
         return await observed("chat", service.chat, req, x_calm_domain, key)
 
-    @app.post("/v1/completions", responses=documented(400, 401, 403, 404, 429, 500, 503))
+    @app.post("/v1/completions", responses=documented(400, 401, 403, 404, 413, 429, 500, 503, 504))
     async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None),
                           key: ClientKey | None = Depends(client)):
         return await observed("completions", service.completion, req, x_calm_domain, key)
@@ -141,21 +154,27 @@ def create_app(
     @app.post("/v1/feedback", responses=documented(400, 401, 403, 404, 409, 429))
     async def feedback(req: FeedbackRequest, client_key: ClientKey | None = Depends(client)) -> FeedbackResponse:
         key = response_key(req.response_id, req.choice_index)
-        found = store.get_response(key)
+        found = await asyncio.to_thread(store.get_response, key)  # database work stays off the event loop
         if found is None:
             what = f"choice {req.choice_index} of " if req.choice_index else ""
+            whole = req.choice_index and await asyncio.to_thread(store.get_response, req.response_id)
             raise APIError(404, f"no {what}response with id {req.response_id!r}", "not_found_error",
-                           "choice_index" if req.choice_index and store.get_response(req.response_id) else "response_id")
+                           "choice_index" if whole else "response_id")
         domain, _ = found
         keyring.admit(client_key, domain)
-        stored = store.add_feedback(key, req.correct)
+
+        def record() -> bool | None:  # stored durably before the answer: an acknowledged verdict is never lost
+            stored = store.add_feedback(key, req.correct)
+            if stored:
+                confidences, outcomes = store.recent_feedback(domain, settings.feedback_window)
+                monitor.observe_feedback(domain, req.correct, confidences, outcomes)
+                service.guarantees.on_feedback(domain)
+            return stored
+
+        stored = await asyncio.to_thread(record)
         if stored is None:
             raise APIError(409, f"response {req.response_id!r} already has different feedback", "conflict_error",
                            "correct")
-        if stored:
-            confidences, outcomes = store.recent_feedback(domain, settings.feedback_window)
-            monitor.observe_feedback(domain, req.correct, confidences, outcomes)
-            service.guarantees.on_feedback(domain)
         return FeedbackResponse(response_id=req.response_id, correct=req.correct, recorded=stored, domain=domain)
 
     # -- admin: abstention policies ------------------------------------------------------------------------------

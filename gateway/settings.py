@@ -50,6 +50,10 @@ class GatewaySettings(BaseSettings):
     drift_window: int = 200
     feedback_window: int = 500
     max_tokens_limit: int = 1024
+    max_body_bytes: int = Field(default=1_000_000, gt=0)  # larger request bodies: 413
+    max_in_flight: int = Field(default=256, gt=0)  # generation requests being served per replica; beyond: 429
+    request_deadline_s: float = Field(default=300.0, gt=0)  # a non-streaming request still running then: 504
+    drain_s: float = Field(default=30.0, ge=0)  # on shutdown, time given to requests in flight to finish
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is

@@ -149,6 +149,14 @@ class Store:
                 (response_id, domain, confidence, time.time()),
             )
 
+    def record_responses(self, rows: list[tuple[str, str, float]]) -> None:
+        """Several (id, domain, confidence) in one transaction: the choices of one response."""
+        at = time.time()
+        with self._lock, self._conn:
+            self._conn.executemany(
+                "INSERT OR IGNORE INTO responses(id, domain, confidence, created_at) VALUES (?, ?, ?, ?)",
+                [(i, d, c, at) for i, d, c in rows])
+
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self._lock:
             row = self._conn.execute("SELECT domain, confidence FROM responses WHERE id = ?", (response_id,)).fetchone()
