@@ -18,7 +18,7 @@ from adapters.engine import EngineClient
 from calm_core.artifact import LoadedArtifact
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
 from gateway.keys import ClientKey, KeyRing, issue_key
-from gateway.limits import InFlight, body_size_limit, deadline
+from gateway.limits import BodySizeLimit, InFlight, deadline
 from gateway.monitoring import DomainMonitor, Metrics
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
 from gateway.protocol import (
@@ -62,7 +62,7 @@ def create_app(
 
     app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    body_size_limit(app, settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     in_flight = InFlight(settings.max_in_flight)
     app.state.in_flight = in_flight
     service = CalibratedService(settings, engine, tokenizer, store, monitor, ServedArtifact.of(artifact.manifest))

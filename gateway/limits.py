@@ -10,10 +10,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from gateway.errors import APIError, error_response
+from gateway.errors import APIError, error_body
 
 
 class InFlight:
@@ -51,13 +52,47 @@ async def deadline(seconds: float):
                        "timeout_error", code="deadline_exceeded") from None
 
 
-def body_size_limit(app, max_bytes: int) -> None:
-    """Refuse bodies larger than `max_bytes` (declared length, or counted while chunked bodies arrive): 413."""
+class BodySizeLimit:
+    """Pure ASGI middleware (no per-request task or body buffering, unlike a decorator middleware): a declared
+    Content-Length over `max_bytes` is answered 413 before the body is read; a chunked body is read up to the limit
+    and refused the same way past it."""
 
-    @app.middleware("http")
-    async def _limit(request, call_next):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            return error_response(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}",
-                                  "invalid_request_error", code="body_too_large")
-        return await call_next(request)
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _refuse(self, send, size: str) -> None:
+        body = json.dumps(error_body(413, f"request body of {size} bytes exceeds the limit of {self.max_bytes}",
+                                     "invalid_request_error", code="body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send, declared.decode())
+        if declared is not None:
+            return await self.app(scope, receive, send)
+        # Chunked: read up to the limit here, then hand the body on (rare; at most max_bytes buffered).
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
+            if seen > self.max_bytes:
+                return await self._refuse(send, f"more than {self.max_bytes}")
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)

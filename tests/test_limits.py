@@ -83,6 +83,21 @@ def test_an_oversized_body_is_refused_with_413_before_it_is_read(tmp_path):
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     assert ok.status_code == 200
 
+    async def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b" " * 500
+
+    (chunked,) = run(app, [lambda c: c.post("/v1/chat/completions", content=chunks(),
+                                            headers={"content-type": "application/json"})])
+    assert chunked.status_code == 413 and "content-length" not in chunked.request.headers
+
+    async def small():
+        yield __import__("json").dumps(BODY).encode()
+
+    (fine,) = run(app, [lambda c: c.post("/v1/chat/completions", content=small(),
+                                         headers={"content-type": "application/json"})])
+    assert fine.status_code == 200, fine.text
+
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_limits_are_documented_in_the_openapi_contract(tmp_path, path):
