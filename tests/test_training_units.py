@@ -12,7 +12,7 @@ import torch
 from training.bome import bome_direction
 from training.config import TrainConfig, load_config
 from training.objectives import cft_gap, cross_entropy, entropy, mask_options
-from training.posthoc import fit_temperature, fit_vector_scaling
+from training.posthoc import fit_daca_temperature, fit_temperature, fit_token_temperature, fit_vector_scaling
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs" / "train").glob("*.toml"))
 
@@ -75,6 +75,28 @@ def test_posthoc_fits_recover_known_parameters():
     d, l = fit_vector_scaling(z, labels, n)
     np.testing.assert_allclose(d, 1 / true_t, rtol=0.15)
     assert np.abs(l - l.mean()).max() < 0.15
+
+
+def test_daca_recovers_the_temperature_from_agreeing_rows_only():
+    """A fine-tuned model twice as sharp as the reference: DACA's T is 2, fitted without labels; rows where the two
+    disagree are left out (here they would pull T far off)."""
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(2000, 6)) * 2
+    target = reference * 2.0
+    assert fit_daca_temperature(reference, target) == pytest.approx(2.0, rel=1e-3)
+    flipped = target.copy()
+    flipped[:500] = -flipped[:500]  # disagreeing rows: ignored
+    assert fit_daca_temperature(reference, flipped) == pytest.approx(2.0, rel=1e-3)
+    options = np.where(np.arange(6) < 4, reference, -np.inf)  # multiple choice: padded option slots carry no mass
+    assert fit_daca_temperature(options, options * 3) == pytest.approx(3.0, rel=1e-3)
+    assert fit_daca_temperature(reference[:5], -reference[:5]) == 1.0  # nothing agrees: no evidence, T stays 1
+
+
+def test_token_temperature_scaling_recovers_a_known_temperature():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(3000, 50, generator=gen) * 4
+    targets = torch.multinomial(torch.softmax(z / 2.5, -1), 1, generator=gen).squeeze(1)
+    assert fit_token_temperature(z, targets) == pytest.approx(2.5, rel=0.1)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

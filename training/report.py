@@ -22,7 +22,7 @@ from calm_core.scoring import option_probs  # noqa: E402
 from calm_core.metrics import calibration_report, top_label  # noqa: E402
 from calm_core.plots import reliability_diagram  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
-from training.posthoc import fit_temperature, fit_vector_scaling  # noqa: E402
+from training.posthoc import fit_daca_temperature, fit_temperature, fit_vector_scaling  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
 
 # Row name -> config overrides of the trained methods; CALM's upper level is reported with both entropies.
@@ -36,8 +36,11 @@ TRAINED = {
     "calm_vocab_entropy": {"method": "calm", "entropy_over": "vocab"},
     "calm_scalar": {"method": "calm_scalar", "entropy_over": "options"},
 }
-ROWS = ("uncalibrated", "sft", "sft+temperature", "sft+vector_scaling", "label_smoothing", "cft", "regularization",
-        "iterate", "calm_scalar", "calm_vocab_entropy", "calm")
+ROWS = ("uncalibrated", "sft", "sft+temperature", "sft+vector_scaling", "sft+daca", "label_smoothing", "cft",
+        "regularization", "iterate", "calm_scalar", "calm_vocab_entropy", "calm")
+# Rows each trained method's run produces (the SFT run also gives the post-hoc rows and, at the first seed, the
+# uncalibrated model).
+PRODUCES = {"sft": ("uncalibrated", "sft", "sft+temperature", "sft+vector_scaling", "sft+daca")}
 METRICS = ("accuracy", "ece_10", "ece_15", "classwise_ece", "brier", "nll", "auroc", "aurc")
 ROLES = (("test_in_domain", "in_domain"), ("test_out_of_domain", "out_of_domain"))
 
@@ -67,13 +70,17 @@ def _role_metrics(trainer: Trainer, probs_of) -> tuple[dict, dict]:
     return out, pooled
 
 
-def _posthoc_rows(trainer: Trainer) -> dict[str, tuple[dict, dict]]:
-    """Temperature and vector scaling on top of the trained SFT model, fitted on labelled calibration questions."""
+def _posthoc_rows(trainer: Trainer, z_initial: np.ndarray) -> dict[str, tuple[dict, dict]]:
+    """Temperature and vector scaling on top of the trained SFT model, fitted on labelled calibration questions; DACA
+    fitted label-free on the same questions where the initial model (`z_initial`, its calibration option logits) and
+    the SFT model choose the same option."""
     val = trainer.calib_set
     z_val = trainer.option_logits(val)  # SFT never trains α: these are the raw option logits
     width = z_val.shape[1]
     t = fit_temperature(z_val, val.labels.numpy(), val.n_options.numpy())
     d, l = fit_vector_scaling(z_val, val.labels.numpy(), val.n_options.numpy())
+    real = np.arange(width)[None, :] < val.n_options.numpy()[:, None]
+    t_daca = fit_daca_temperature(np.where(real, z_initial, -np.inf), np.where(real, z_val, -np.inf))
 
     def scaled(scale: np.ndarray, shift: np.ndarray):
         def probs_of(data):
@@ -85,18 +92,34 @@ def _posthoc_rows(trainer: Trainer) -> dict[str, tuple[dict, dict]]:
         return probs_of
 
     rows = {"sft+temperature": _role_metrics(trainer, scaled(np.array([1.0 / t]), np.zeros(1))),
-            "sft+vector_scaling": _role_metrics(trainer, scaled(d[:width], l[:width]))}
+            "sft+vector_scaling": _role_metrics(trainer, scaled(d[:width], l[:width])),
+            "sft+daca": _role_metrics(trainer, scaled(np.array([1.0 / t_daca]), np.zeros(1)))}
     rows["sft+temperature"][0]["fitted_temperature"] = t
+    rows["sft+daca"][0]["fitted_temperature"] = t_daca
     return rows
 
 
-def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None = None) -> dict:
+def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None = None,
+               only: list[str] | None = None) -> dict:
+    """Every row, or with `only` the rows of those trained methods, merged into the report already in `out` (its other
+    rows kept as they were)."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[int, dict]] = {row: {} for row in ROWS}
+    if only:
+        unknown = set(only) - set(TRAINED)
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; known: {', '.join(TRAINED)}")
+        previous = json.loads((out / "report.json").read_text())["per_seed"] if (out / "report.json").is_file() else {}
+        rerun = {row for m in only for row in PRODUCES.get(m, (m,))}
+        for row, by_seed in previous.items():
+            if row in results and row not in rerun:
+                results[row] = {int(s): v for s, v in by_seed.items()}
     curves: dict[str, list[dict]] = {}
     pooled_first: dict[str, tuple] = {}
     for seed in seeds:
         for method, overrides in TRAINED.items():
+            if only and method not in only:
+                continue
             cfg = base.model_copy(update={**overrides, "seed": seed, "out_dir": str(out / "runs" / f"{method}-s{seed}"),
                                           **({"steps": steps} if steps else {})})
             cfg = TrainConfig.model_validate(cfg.model_dump())  # re-run validators (calm_scalar -> scalar head)
@@ -105,6 +128,7 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
                 metrics, pooled = _role_metrics(trainer, trainer.probs)  # before any step: the uncalibrated model
                 results["uncalibrated"][seed] = metrics
                 pooled_first["uncalibrated"] = pooled["out_of_domain"]
+            z_initial = trainer.option_logits(trainer.calib_set).copy() if method == "sft" else None
             trainer.resume()
             trainer.train()
             trainer.export()
@@ -114,7 +138,7 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
                 pooled_first[method] = pooled["out_of_domain"]
                 curves[method] = trainer.history
             if method == "sft":
-                for row, (m, p) in _posthoc_rows(trainer).items():
+                for row, (m, p) in _posthoc_rows(trainer, z_initial).items():
                     results[row][seed] = m
                     if seed == seeds[0]:
                         pooled_first[row] = p["out_of_domain"]
@@ -123,9 +147,10 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
                    "table": _aggregate(results), "per_seed": results}
         (out / "report.json").write_text(json.dumps(summary, indent=2))
         (out / "report.md").write_text(markdown(summary))
-        reliability_diagram({k: pooled_first[k] for k in ROWS if k in pooled_first}, out / "reliability.png",
-                            title="Out-of-domain reliability (pooled test sets, first seed)")
-        plot_curves(curves, out / "curves.png")
+        if not only:  # a partial rerun keeps the plots of the full one
+            reliability_diagram({k: pooled_first[k] for k in ROWS if k in pooled_first}, out / "reliability.png",
+                                title="Out-of-domain reliability (pooled test sets, first seed)")
+            plot_curves(curves, out / "curves.png")
     return summary
 
 
