@@ -38,6 +38,7 @@ class EngineRequest:
     adapter: bool = False  # run with the artifact's LoRA adapter (engines serving one); else the base weights
     folded: bool = False  # run on the weights with the α head folded into the LM head (engines with `folded_scoring`)
     prompt_logprobs: bool = False  # also return the log-prob of every prompt token (taken before logits processors)
+    free_form: bool = False  # run on the artifact's free-form mode: its weights and its α head (`free_form_mode`)
     # OpenAI / vLLM sampling parameters, passed to the engine unchanged (defaults: vLLM's "off" values).
     n: int = 1  # completions from one prompt; vLLM gives child i the seed `seed + i`
     top_k: int = 0
@@ -103,6 +104,7 @@ class EngineClient(Protocol):
     artifact_version: str
     max_model_len: int
     folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
+    free_form_mode: bool  # serves `free_form` requests: the artifact's free-form weights and head
 
     async def start(self) -> None: ...
 

@@ -39,12 +39,15 @@ class InProcessVLLMEngine:
         self.artifact_version = load_artifact(config.artifact_path).manifest.artifact_version
         self.max_model_len = config.max_model_len
         self.folded_scoring = config.folded_model_path is not None
+        self.free_form_mode = config.free_form_model_path is not None
+        self.prompt_logprobs = True  # returns prompt log-probs (raw free-form confidence, one-pass scoring)
         self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" -> AsyncLLM
 
     async def start(self) -> None:
         """One engine on the base weights; with an adapter, either a second one on base + adapter merged (adapter mode
         "merged", CPU's default) or the adapter as a vLLM LoRA in the first ("lora", CUDA's default); with one-pass
-        scoring, one more on the folded weights.
+        scoring, one more on the folded weights; with a free-form mode in the artifact, one on its weights (adapter
+        merged, in both adapter modes) with its own α head.
 
         Merged rather than vLLM's per-request LoRA on CPU: there vLLM's LoRA path runs as plain PyTorch ops over every
         layer and made cloze scoring about 6x slower (benchmarks/bench_cloze_serving.py); merged weights cost nothing
@@ -58,7 +61,8 @@ class InProcessVLLMEngine:
         paths = self._weights()
         for weights, path in paths.items():
             lora = weights == "base" and self.config.adapter_path is not None  # the adapter as a vLLM LoRA
-            kwargs = self.config.engine_kwargs(path, lora=lora)
+            head = self.config.free_form_artifact_path if weights == "free_form" else None
+            kwargs = self.config.engine_kwargs(path, lora=lora, artifact_path=head)
             if "gpu_memory_utilization" in kwargs:  # each engine takes its share of the GPU: the share is split
                 kwargs["gpu_memory_utilization"] /= len(paths)
             self._engines[weights] = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
@@ -66,6 +70,8 @@ class InProcessVLLMEngine:
     def _engine_for(self, request: EngineRequest):
         if request.folded:
             return self._engines.get("folded")
+        if request.free_form:
+            return self._engines.get("free_form")
         return self._engines.get("adapter" if request.adapter else "base") or self._engines.get("base")
 
     def _sampling_params(self, request: EngineRequest):
@@ -118,7 +124,8 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
         started = False
         lora = None
-        if request.adapter and not request.folded and "adapter" not in self._engines and self.config.adapter_path:
+        if (request.adapter and not request.folded and not request.free_form and "adapter" not in self._engines
+                and self.config.adapter_path):
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(ADAPTER_NAME, 1, self.config.adapter_path)
@@ -140,9 +147,9 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
 
     def _weights(self) -> dict[str, str]:
-        """The weights each engine serves: "base", and "adapter" (merged) and "folded" where configured."""
+        """The weights each engine serves: "base", and "adapter" (merged), "folded" and "free_form" where configured."""
         paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
-                 "folded": self.config.folded_model_path}
+                 "folded": self.config.folded_model_path, "free_form": self.config.free_form_model_path}
         return {w: p for w, p in paths.items() if p}
 
     def describe(self) -> dict:

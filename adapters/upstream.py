@@ -84,6 +84,7 @@ class UpstreamVLLMEngine:
         self.model_name = model_name
         self.adapter_name = adapter_name  # the servers' name for the artifact's LoRA adapter (`calm engine` registers it)
         self.folded_scoring = False  # a vLLM server serves one set of weights: options are scored token by token
+        self.free_form_mode = False  # ... and one α head: free-form answers of a multiple-choice artifact use the base
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))

@@ -1,7 +1,8 @@
 """The α head inside vLLM: a v1 batch-level logits processor computing d ⊙ z + l for every request.
 
 vLLM builds one instance per engine (worker process) and calls `apply` on the whole batch, so the artifact is loaded
-once, at construction, from the folder named by $CALM_ARTIFACT. With the engine's `logprobs_mode` set to
+once, at construction, from the folder named by the engine's `additional_config["calm_artifact"]` (several engines in
+one process each carry their own head), else by $CALM_ARTIFACT (the `calm engine` server). With the engine's `logprobs_mode` set to
 `processed_logprobs`, the log-probs vLLM returns are the calibrated ones (raw modes would return uncalibrated
 numbers). A request opts out with `extra_args={"calm_alpha": False}` (HTTP: `vllm_xargs`).
 Written against vLLM 0.32's interface (pinned in pyproject); the interface moves between versions.
@@ -15,7 +16,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from adapters.vllm_common import ARTIFACT_ENV, OPT_OUT_KEY
+from adapters.vllm_common import ARTIFACT_CONFIG_KEY, ARTIFACT_ENV, OPT_OUT_KEY
 from calm_core.alpha_head import apply_alpha
 from calm_core.artifact import load_artifact
 
@@ -30,7 +31,8 @@ def wants_alpha(params: SamplingParams) -> bool:
 
 class AlphaHeadLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        path = os.environ.get(ARTIFACT_ENV)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        path = (extra.get(ARTIFACT_CONFIG_KEY) if isinstance(extra, dict) else None) or os.environ.get(ARTIFACT_ENV)
         if not path:
             raise ValueError(f"AlphaHeadLogitsProcessor needs ${ARTIFACT_ENV} naming an alpha-head artifact folder")
         vocab = vllm_config.model_config.get_vocab_size() if vllm_config is not None else None

@@ -9,6 +9,7 @@ from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 
 # Names shared with the logits processor; kept here so HTTP clients need no vLLM import.
 ARTIFACT_ENV = "CALM_ARTIFACT"
+ARTIFACT_CONFIG_KEY = "calm_artifact"  # in vLLM's additional_config: the head of one engine
 OPT_OUT_KEY = "calm_alpha"
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
 ADAPTER_NAME = "calm-adapter"  # the artifact's LoRA adapter as the vLLM server names it (a model name over HTTP)
@@ -28,6 +29,10 @@ class EngineConfig:
     adapter_rank: int = 0
     merged_model_path: str | None = None  # base + adapter merged: a second engine for adapter requests (in-process)
     folded_model_path: str | None = None  # merged + α scales folded into the LM head: one-pass scoring (in-process)
+    # Free-form answers from the artifact's free-form mode: its weights (adapter merged) and its own α head
+    # (in-process: an engine of its own, since a logits processor holds one head per engine).
+    free_form_model_path: str | None = None
+    free_form_artifact_path: str | None = None
 
     @property
     def max_lora_rank(self) -> int:
@@ -40,9 +45,10 @@ class EngineConfig:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         }
 
-    def engine_kwargs(self, model_path: str | None = None, lora: bool = False) -> dict:
+    def engine_kwargs(self, model_path: str | None = None, lora: bool = False, artifact_path: str | None = None) -> dict:
         """In-process engine arguments; an adapter is served there from merged weights (`merged_model_path`) or, with
-        `lora`, by vLLM's LoRA kernels in this engine (`adapter_path`)."""
+        `lora`, by vLLM's LoRA kernels in this engine (`adapter_path`). The α head is the artifact's unless another
+        artifact is named (the free-form engine's)."""
         kwargs = dict(
             model=model_path or self.model_path,
             served_model_name=[self.served_model_name],
@@ -52,6 +58,7 @@ class EngineConfig:
             logprobs_mode="processed_logprobs",
             logits_processors=[LOGITS_PROCESSOR],
             seed=self.seed,
+            additional_config={ARTIFACT_CONFIG_KEY: os.path.abspath(artifact_path or self.artifact_path)},
             **self.engine.vllm_kwargs(),
         )
         if lora:

@@ -23,6 +23,8 @@ app.add_typer(artifact_app, name="artifact")
 app.add_typer(split_app, name="split")
 policy_app = typer.Typer(help="Abstention policies offline.", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
+keys_app = typer.Typer(help="Client API keys for /v1/* (in the gateway's database, CALM_DB_PATH).", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
 
 
 def one_line_errors(fn):
@@ -35,6 +37,49 @@ def one_line_errors(fn):
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def _store():
+    from gateway.settings import GatewaySettings
+    from gateway.store import Store
+
+    return Store(GatewaySettings().db_path)
+
+
+@keys_app.command("create")
+@one_line_errors
+def keys_create(
+    name: Annotated[str, typer.Option(help="who or what the key is for")],
+    domain: Annotated[Optional[list[str]], typer.Option("--domain", help="allowed domain (repeatable); all if none")] = None,
+    rate: Annotated[Optional[float], typer.Option(help="requests per minute (token bucket); unlimited if unset")] = None,
+):
+    """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
+    from gateway.keys import issue_key
+
+    if rate is not None and rate <= 0:
+        raise typer.BadParameter("--rate must be positive")
+    created = issue_key(_store(), name, list(domain) if domain else None, rate)
+    typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
+
+
+@keys_app.command("list")
+@one_line_errors
+def keys_list():
+    """Every key: id, name, domains, rate, and whether it is revoked (never the key itself)."""
+    for key, _ in _store().client_keys():
+        state = "revoked" if key.revoked_at else "active"
+        domains = ",".join(key.domains) if key.domains else "*"
+        rate = f"{key.requests_per_minute:g}/min" if key.requests_per_minute else "unlimited"
+        typer.echo(f"{key.id}  {state:7s}  {key.name}  domains={domains}  rate={rate}")
+
+
+@keys_app.command("revoke")
+@one_line_errors
+def keys_revoke(key_id: str):
+    """Revoke a key by id; gateways refuse it within seconds."""
+    if not _store().revoke_client_key(key_id):
+        raise CalmError(f"no active API key with id {key_id!r}")
+    typer.echo(f"revoked {key_id}")
 
 
 @model_app.command("prepare")
@@ -63,6 +108,20 @@ def artifact_identity(
 
     manifest = write_identity_artifact(out, model, with_reference=reference)
     typer.echo(f"{out}  ({manifest.artifact_version})")
+
+
+@artifact_app.command("attach-free-form")
+@one_line_errors
+def artifact_attach_free_form(
+    multiple_choice: Annotated[Path, typer.Option(help="artifact fitted to multiple choice")],
+    free_form: Annotated[Path, typer.Option(help="artifact fitted to free-form answers (answer_format generative)")],
+    out: Annotated[Path, typer.Option(help="where to write the combined artifact")],
+):
+    """One artifact for every request: the multiple-choice artifact with the free-form one inside (a new version)."""
+    from calm_core.artifact import attach_free_form
+
+    manifest = attach_free_form(multiple_choice, free_form, out)
+    typer.echo(f"{out}: {manifest.artifact_version} (free form: {manifest.free_form_version})")
 
 
 @artifact_app.command("show")
@@ -112,10 +171,12 @@ def eval_cmd(
     seed: int = 0,
     batch_size: int = 8,
     dtype: str = "float32",
+    samples: Annotated[int, typer.Option(help="open-ended sets: sampled answers per question (semantic confidence)")] = 8,
     out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/eval"),
 ):
     """Score multiple-choice sets offline (a model, or an artifact as served) or through a live gateway; write
-    report.json, report.md, reliability.png and each question's option probabilities."""
+    report.json, report.md, reliability.png and each question's option probabilities. Open-ended sets (triviaqa,
+    popqa; 'triviaqa:sample@0.7-0.8' for a range) are answered by the artifact's free-form mode through vLLM."""
     from calm_core.data import MC_DATASETS
     from training.evaluate import DatasetSpec
 
@@ -125,6 +186,14 @@ def eval_cmd(
     if answer_format not in (None, "letter", "cloze"):
         raise CalmError(f"--answer-format must be letter or cloze, not {answer_format!r}")
     specs = tuple(DatasetSpec.parse(n) for n in names)
+    if any(s.open_ended for s in specs):
+        if not all(s.open_ended for s in specs) or gateway or answer_format:
+            raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone, offline: no --gateway or --answer-format")
+        from training.free_form_eval import run_free_form_eval
+
+        summary = run_free_form_eval(specs, str(artifact) if artifact else None, model, limit or None, seed, samples, out)
+        typer.echo((out / "report.md").read_text())
+        return
     if gateway:
         if artifact or answer_format:
             raise CalmError("--gateway evaluates what the gateway serves: --artifact and --answer-format do not apply")
@@ -197,8 +266,19 @@ def train_cmd(
     if resume and trainer.resume():
         typer.echo(f"resumed from step {trainer.step}")
     trainer.train()
-    metrics = trainer.evaluate()
-    path = trainer.export(metrics, merged=merged)
+    if trainer.fmt.generative:  # free-form answers are measured as served, after export (vLLM in a child process)
+        from training.free_form_eval import measure_artifact
+
+        path = trainer.export({}, merged=merged)
+        split = trainer.split
+        tests = {f"{prefix}/{label}": qs for role, prefix in (("test_in_domain", "in_domain"),
+                                                              ("test_out_of_domain", "out_of_domain"))
+                 for label, qs in split.sources[role].items()}
+        held_out = [q for role in ("calibration", "test_in_domain", "test_out_of_domain") for q in split.role(role)]
+        metrics = measure_artifact(path, trainer.resolved.path, tests, held_out)
+    else:
+        metrics = trainer.evaluate()
+        path = trainer.export(metrics, merged=merged)
     for name, m in metrics.items():
         typer.echo(f"{name:40s} acc {m['accuracy']:.3f}  ECE-10 {m['ece_10']:.3f}  AUROC {m['auroc']:.3f}")
     typer.echo(f"artifact: {path}")
@@ -207,22 +287,42 @@ def train_cmd(
 @app.command("report")
 @one_line_errors
 def report_cmd(
-    config: Annotated[Path, typer.Option(help="base training config (TOML)")] = Path("configs/train/calm.toml"),
+    task: Annotated[str, typer.Option(help="multiple-choice | open-ended")] = "multiple-choice",
+    config: Annotated[Optional[Path], typer.Option(help="base training config (TOML); default per task")] = None,
     seeds: Annotated[list[int], typer.Option("--seed", help="repeatable")] = [0, 1, 2],
-    quick: Annotated[bool, typer.Option(help="one seed and a quarter of the steps")] = False,
+    quick: Annotated[bool, typer.Option(help="one seed and a quarter of the steps (open-ended: also 4 samples and "
+                                              "50 test questions per role)")] = False,
     steps: Annotated[Optional[int], typer.Option(help="override the config's steps for every method")] = None,
-    out: Annotated[Path, typer.Option(help="report folder")] = Path("reports/calm"),
+    samples: Annotated[int, typer.Option(help="open-ended: sampled answers per question for semantic confidence")] = 8,
+    out: Annotated[Optional[Path], typer.Option(help="report folder; default per task")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="multiple-choice: rerun just these trained "
+                                                      "methods (repeatable; sft also gives the post-hoc rows), "
+                                                      "merged into the report in --out")] = None,
 ):
-    """Run every method (CALM, ablations, baselines) on the declared split; write report.json/.md and plots."""
+    """Run every method (CALM, ablations, baselines) on the declared split(s); write report.json/.md and plots.
+    open-ended: PopQA -> TriviaQA and TriviaQA -> PopQA, free-form answers evaluated as served."""
     import torch
 
     from training.config import load_config
+
+    if task not in ("multiple-choice", "open-ended"):
+        raise typer.BadParameter(f"--task must be multiple-choice or open-ended, not {task!r}")
+    open_ended = task == "open-ended"
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    base = load_config(config or Path("configs/train/open.toml" if open_ended else "configs/train/calm.toml"))
+    steps = steps or (max(base.steps // 4, 10) if quick else None)
+    out = out or Path("reports/open-ended" if open_ended else "reports/calm")
+    if open_ended:
+        from training.open_report import run_open_report
+
+        run_open_report(base, seeds[:1] if quick else list(seeds), out, steps, 4 if quick else samples,
+                        limit=50 if quick else None)
+        typer.echo((out / "report.md").read_text())
+        typer.echo(f"wrote {out}/report.json, report.md, reliability-*.png")
+        return
     from training.report import run_report
 
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
-    base = load_config(config)
-    steps = steps or (max(base.steps // 4, 10) if quick else None)
-    summary = run_report(base, seeds[:1] if quick else list(seeds), out, steps)
+    summary = run_report(base, seeds[:1] if quick else list(seeds), out, steps, only)
     typer.echo((out / "report.md").read_text())
     typer.echo(f"wrote {out}/report.json, report.md, reliability.png, curves.png ({len(summary['table'])} rows)")
 
@@ -247,7 +347,10 @@ def serve(
         raise CalmError(f"invalid settings: {e.errors()[0]['msg']}") from None
     app_ = build_gateway(settings)
     typer.echo(f"CALM Gateway on http://{settings.host}:{settings.port}  (model {settings.served_model_name}, engine {settings.engine.value})")
-    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False)
+    # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
+    # closes the engine and the database; every write was awaited before its response, so none is pending.
+    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False,
+                timeout_graceful_shutdown=int(settings.drain_s) or None)
 
 
 @app.command("engine")

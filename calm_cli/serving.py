@@ -36,7 +36,8 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     artifact's LoRA adapter (if any) is served in-process merged into a second engine (adapter_mode "merged", CPU's
     default) or by vLLM's LoRA kernels in the same engine ("lora", CUDA's default), and as a vLLM LoRA by the
     `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
-    folded weights (one-pass option scoring, adapters/merged_weights.py)."""
+    folded weights (one-pass option scoring, adapters/merged_weights.py), and an artifact with a free-form mode one
+    more on that mode's merged weights with its own head."""
     from adapters.engine_settings import resolve
     from adapters.merged_weights import foldable, folded_model_dir, merged_model_dir
     from adapters.vllm_common import EngineConfig
@@ -51,10 +52,15 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
         return EngineConfig(**common, **lora)
     one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
     folded = str(folded_model_dir(model.path, artifact)) if one_pass else None
+    free_form = {}
+    if artifact.manifest.free_form_version is not None:  # an engine of its own: its weights and its head
+        inner = artifact.free_form
+        free_form = dict(free_form_model_path=str(merged_model_dir(model.path, inner)),
+                         free_form_artifact_path=str(inner.path))
     if engine.adapter_mode == "lora":  # one engine applies the adapter per request (vLLM's multi-LoRA kernels)
-        return EngineConfig(**common, **lora, folded_model_path=folded)
+        return EngineConfig(**common, **lora, folded_model_path=folded, **free_form)
     return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)) if adapter else None,
-                        folded_model_path=folded)
+                        folded_model_path=folded, **free_form)
 
 
 def build_gateway(settings):

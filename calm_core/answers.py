@@ -6,7 +6,9 @@ dropped; whitespace collapsed.
 
 An answer is correct when some gold alias, normalised, appears in the normalised answer as a run of whole words
 ("The capital of France is Paris." matches "Paris"; "Parisian" does not). Chatty models answer in sentences, so exact
-match would call most right answers wrong; the price is that an answer listing several candidates can match.
+match would call most right answers wrong; the price is that an answer listing several candidates can match. An alias
+the question already contains must occur in the answer more often than in the question (an echo of the question is
+not an answer).
 
 Two sampled answers mean the same when one's normalised words appear as a run inside the other's ("Paris" and
 "It is Paris"): clusters are built greedily, shortest answers first, each answer joining the first cluster whose
@@ -15,6 +17,7 @@ representative it contains or is contained in.
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections.abc import Sequence
@@ -45,10 +48,21 @@ def _contains(haystack: str, needle: str) -> bool:
     return f" {needle} " in f" {haystack} "
 
 
-def is_correct(answer: str, aliases: Sequence[str]) -> bool:
-    """Some gold alias appears, normalised, as a run of whole words in the normalised answer."""
+def _count(haystack: str, needle: str) -> int:
+    return f" {haystack} ".count(f" {needle} ") if needle else 0
+
+
+def is_correct(answer: str, aliases: Sequence[str], question: str | None = None) -> bool:
+    """Some gold alias appears, normalised, as a run of whole words in the normalised answer. Given the question, an
+    alias the question itself contains must appear in the answer more often than there: an answer that only repeats
+    the question ("The capital of Muyinga Province is Kuala Lumpur" for gold "Muyinga") is not credited."""
     norm = normalize_answer(answer)
-    return any(_contains(norm, normalize_answer(alias)) for alias in aliases)
+    asked = normalize_answer(question) if question else ""
+    for alias in aliases:
+        a = normalize_answer(alias)
+        if _contains(norm, a) and _count(norm, a) > _count(asked, a):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -81,3 +95,35 @@ def in_cluster(answer: str, cluster: Cluster) -> bool:
     norm = normalize_answer(answer)
     return norm == cluster.representative or _contains(norm, cluster.representative) or _contains(
         cluster.representative, norm)
+
+
+@dataclass(frozen=True)
+class SemanticChoice:
+    """The answer semantic confidence returns: the largest cluster's most probable member, with the cluster's share."""
+
+    clusters: list[Cluster]
+    best: list[int]  # per cluster, the index of its most probable member
+    n: int
+
+    @property
+    def answer(self) -> int:
+        return self.best[0]
+
+    @property
+    def confidence(self) -> float:
+        return self.clusters[0].size / self.n
+
+    @property
+    def entropy(self) -> float:
+        shares = [c.size / self.n for c in self.clusters]
+        return float(-sum(p * math.log(p) for p in shares))
+
+
+def semantic_choice(answers: Sequence[str], probabilities: Sequence[float]) -> SemanticChoice:
+    """Cluster n sampled answers by meaning; each cluster's representative answer is its most probable member
+    (`probabilities`: each answer's own, e.g. its length-normalised sequence probability)."""
+    if not answers:
+        raise ValueError("semantic confidence needs at least one sampled answer")
+    clusters = semantic_clusters(answers)
+    best = [max(c.members, key=lambda i: probabilities[i]) for c in clusters]
+    return SemanticChoice(clusters, best, len(answers))

@@ -32,6 +32,7 @@ FORMAT_VERSION = 1
 HEAD_FILE = "alpha_head.safetensors"
 MANIFEST_FILE = "manifest.json"
 ADAPTER_DIR = "adapter"
+FREE_FORM_DIR = "free_form"  # inside a multiple-choice artifact: the artifact that serves free-form answers
 
 
 class BaseModelRef(BaseModel):
@@ -72,12 +73,15 @@ class ArtifactManifest(BaseModel):
     method: str = "identity"
     # How the head was fitted to multiple-choice answers: one letter token, or each option's text (cloze).
     answer_format: AnswerFormatName = "letter"
-    # Which answers the weights and head were fitted for. A trained artifact is fitted on multiple-choice scoring only:
-    # free-form answers then come from the base model with its own probabilities (its LoRA and head are not applied).
-    applies_to: Literal["all", "multiple_choice"] = "all"
+    # Which answers the weights and head were fitted for: multiple-choice scoring, free-form answers, or both (identity
+    # and hand-made heads). A multiple-choice artifact may carry a free-form one in FREE_FORM_DIR (one artifact for every
+    # request); without it, free-form answers come from the base model with its own probabilities.
+    applies_to: Literal["all", "multiple_choice", "free_form"] = "all"
     metrics: dict[str, dict[str, float]] = {}
     reference_histograms: dict[str, ReferenceHistogram] = {}
     has_adapter: bool = False
+    # The free-form artifact inside FREE_FORM_DIR (its version), when this one serves both kinds of answer.
+    free_form_version: str | None = None
 
 
 def new_version_id(method: str) -> str:
@@ -143,6 +147,14 @@ class LoadedArtifact(BaseModel, arbitrary_types_allowed=True):
         return self.path / ADAPTER_DIR if self.manifest.has_adapter else None
 
     @property
+    def free_form(self) -> "LoadedArtifact | None":
+        """The artifact that serves free-form answers: the one inside, this one if it is fitted to free form (or to
+        everything), else None (free-form answers then use the base weights without a head)."""
+        if self.manifest.free_form_version is not None:
+            return load_artifact(self.path / FREE_FORM_DIR)
+        return self if self.manifest.applies_to in ("free_form", "all") else None
+
+    @property
     def adapter_rank(self) -> int:
         """The LoRA rank of the adapter (0 without one)."""
         if self.adapter_dir is None:
@@ -192,8 +204,54 @@ def load_artifact(
         raise ArtifactError(
             f"{path}: artifact was trained on base model {manifest.base_model.id!r} with other weights than the model given"
         )
-    return LoadedArtifact(path=path, manifest=manifest, head=head)
+    loaded = LoadedArtifact(path=path, manifest=manifest, head=head)
+    if manifest.free_form_version is not None:
+        inner = load_artifact(path / FREE_FORM_DIR, expect_vocab_size=expect_vocab_size,
+                              expect_tokenizer_sha256=expect_tokenizer_sha256, expect_weights_sha256=expect_weights_sha256)
+        if inner.manifest.artifact_version != manifest.free_form_version or inner.manifest.applies_to != "free_form":
+            raise ArtifactError(f"{path}: {FREE_FORM_DIR}/ is not the free-form artifact the manifest names "
+                                f"({manifest.free_form_version})")
+        if inner.manifest.base_model != manifest.base_model or inner.manifest.tokenizer != manifest.tokenizer:
+            raise ArtifactError(f"{path}: the free-form artifact inside was trained on another base model or tokenizer")
+    return loaded
+
+
+def attach_free_form(multiple_choice: str | Path, free_form: str | Path, out: str | Path) -> ArtifactManifest:
+    """One artifact for every request: the multiple-choice artifact with the free-form one inside, a new version.
+    Reference histograms of domains only the free-form artifact has (trivia, entity knowledge) join the manifest."""
+    mc, ff = load_artifact(multiple_choice), load_artifact(free_form)
+    if mc.manifest.applies_to != "multiple_choice" or ff.manifest.applies_to != "free_form":
+        raise ArtifactError("attach a free-form artifact (applies_to free_form) to a multiple-choice one")
+    if mc.manifest.base_model != ff.manifest.base_model or mc.manifest.tokenizer != ff.manifest.tokenizer:
+        raise ArtifactError("the two artifacts were trained on different base models or tokenizers")
+    histograms = {**{d: h for d, h in ff.manifest.reference_histograms.items() if d != "all"},
+                  **mc.manifest.reference_histograms}
+    manifest = mc.manifest.model_copy(update={
+        "artifact_version": new_version_id(mc.manifest.method), "free_form_version": ff.manifest.artifact_version,
+        "reference_histograms": histograms, "created_at": datetime.now(timezone.utc).isoformat()})
+    with atomic_dir(out) as tmp:
+        for name in (HEAD_FILE, ADAPTER_DIR):
+            src = mc.path / name
+            if src.is_dir():
+                shutil.copytree(src, tmp / name)
+            elif src.is_file():
+                shutil.copy2(src, tmp / name)
+        shutil.copytree(ff.path, tmp / FREE_FORM_DIR, ignore=shutil.ignore_patterns(FREE_FORM_DIR))
+        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+    return manifest
 
 
 def read_manifest(path: str | Path) -> dict:
     return json.loads((Path(path) / MANIFEST_FILE).read_text(encoding="utf-8"))
+
+
+def update_manifest(path: str | Path, **fields) -> ArtifactManifest:
+    """Rewrite an artifact's manifest with some fields changed (metrics, reference histograms measured after export);
+    the head and adapter are untouched, the file is replaced atomically."""
+    path = Path(path)
+    manifest = ArtifactManifest.model_validate_json((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest = ArtifactManifest.model_validate({**manifest.model_dump(), **fields})
+    tmp = path / f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}"
+    _write_synced(tmp, manifest.model_dump_json(indent=2))
+    os.replace(tmp, path / MANIFEST_FILE)
+    return manifest

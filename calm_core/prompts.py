@@ -13,8 +13,9 @@ from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
 from calm_core.errors import ModelError
 
 LETTERS = tuple(string.ascii_uppercase[:MAX_OPTIONS])  # A..M
-# How multiple choice is scored: the answer letter after the chat-templated question, or each option's text (cloze).
-AnswerFormatName = Literal["letter", "cloze"]
+# How an answer is scored: multiple choice by the answer letter after the chat-templated question, or by each option's
+# text (cloze); free-form answers by their generated tokens after the chat-templated question (generative).
+AnswerFormatName = Literal["letter", "cloze", "generative"]
 
 INSTRUCTION = "Answer the following multiple-choice question with a single letter."
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from calm_core.data import DATASET_FILES, MCQuestion, load_mc, normalize_text
+from calm_core.data import DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_open, normalize_text
 from calm_core.errors import ConfigError
 
 ROLES = ("train", "calibration", "test_in_domain", "test_out_of_domain")
@@ -42,6 +42,8 @@ class SourceSpec(BaseModel):
         lo, hi = self.fraction
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"fraction must satisfy 0 <= start < end <= 1, got {self.fraction}")
+        if self.dataset in OPEN_DATASETS and (self.subjects or self.categories):
+            raise ValueError(f"{self.dataset!r} is open-ended: it has no subjects or categories")
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be positive")
         return self
@@ -70,6 +72,17 @@ class DomainSplit(BaseModel):
             raise ValueError("needs at least one source")
         return v
 
+    @model_validator(mode="after")
+    def _one_kind(self):
+        kinds = {s.dataset in OPEN_DATASETS for role in ROLES for s in getattr(self, role)}
+        if len(kinds) > 1:
+            raise ValueError("a split is either multiple choice or open-ended; it mixes both")
+        return self
+
+    @property
+    def open_ended(self) -> bool:
+        return self.train[0].dataset in OPEN_DATASETS
+
 
 def load_split(path: str | Path) -> DomainSplit:
     path = Path(path)
@@ -84,8 +97,14 @@ def load_split(path: str | Path) -> DomainSplit:
         raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
-def select(spec: SourceSpec, seed: int, root: Path | None = None) -> list[MCQuestion]:
-    questions = load_mc(spec.dataset, spec.split, root)
+Question = MCQuestion | OpenQuestion
+
+
+def select(spec: SourceSpec, seed: int, root: Path | None = None) -> list[Question]:
+    if spec.dataset in OPEN_DATASETS:
+        questions = load_open(spec.dataset, spec.split, root)
+    else:
+        questions = load_mc(spec.dataset, spec.split, root)
     if spec.subjects is not None:
         questions = [q for q in questions if q.subject in spec.subjects]
     if spec.categories is not None:
@@ -103,10 +122,10 @@ class MaterializedSplit:
     """Questions per role and source label, after leakage removal; `dropped` counts removed questions per role."""
 
     config: DomainSplit
-    sources: dict[str, dict[str, list[MCQuestion]]]
+    sources: dict[str, dict[str, list[Question]]]
     dropped: dict[str, int]
 
-    def role(self, role: str) -> list[MCQuestion]:
+    def role(self, role: str) -> list[Question]:
         return [q for qs in self.sources[role].values() for q in qs]
 
 

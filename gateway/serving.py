@@ -19,7 +19,7 @@ import numpy as np
 from adapters.engine import (
     EngineClient, EngineDelta, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices,
 )
-from calm_core.answers import in_cluster, semantic_clusters
+from calm_core.answers import in_cluster, semantic_choice
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.errors import APIError
@@ -64,12 +64,14 @@ class ServedArtifact:
     """What the gateway needs to know about the served artifact to route a request through it."""
 
     answer_format: AnswerFormatName = "letter"  # how its head was fitted to multiple choice
-    multiple_choice_only: bool = False  # free-form answers then use the base weights without the head
+    multiple_choice_only: bool = False  # fitted to multiple choice: free-form answers need a free-form mode
     has_adapter: bool = False
+    free_form_version: str | None = None  # the free-form mode inside the artifact (its own weights and head)
 
     @classmethod
     def of(cls, manifest) -> "ServedArtifact":
-        return cls(manifest.answer_format, manifest.applies_to == "multiple_choice", manifest.has_adapter)
+        return cls(manifest.answer_format, manifest.applies_to == "multiple_choice", manifest.has_adapter,
+                   manifest.free_form_version)
 
 
 @dataclass
@@ -129,6 +131,9 @@ class CalibratedService:
                                                settings.risk_refit_every)
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
         self.one_pass = artifact.answer_format == "cloze" and getattr(engine, "folded_scoring", False)
+        # Free-form answers from the artifact's free-form mode where the engine serves it; else, for an artifact fitted
+        # to multiple choice only, from the base weights without a head.
+        self.free_form_mode = artifact.free_form_version is not None and getattr(engine, "free_form_mode", False)
 
     def scoring_paths(self) -> dict[str, str]:
         """How each kind of answer is scored, for /health."""
@@ -138,7 +143,13 @@ class CalibratedService:
             mc = "cloze one-pass: one request per option, prompt log-probs of weights with the α head folded in"
         else:
             mc = "cloze per-token: one request per option token, α head in the logits processor"
-        free = "base weights, no α head" if self.artifact.multiple_choice_only else "α head in the logits processor"
+        if self.free_form_mode:
+            free = (f"free-form mode {self.artifact.free_form_version}: its adapter merged, its α head in the logits "
+                    "processor; raw confidence from the same weights' prompt log-probs of the answer")
+        elif self.artifact.multiple_choice_only:
+            free = "base weights, no α head"
+        else:
+            free = "α head in the logits processor"
         return {"multiple_choice": mc, "free_form": free}
 
     # -- request checks -----------------------------------------------------------------------------------------
@@ -170,10 +181,11 @@ class CalibratedService:
                            f"has {n_prompt} prompt tokens and asks for {budget} more", param="messages",
                            code="context_length_exceeded")
         # The artifact's weights and head serve the answers they were fitted for.
+        free_form = not prompt.multiple_choice and self.free_form_mode
         fitted = prompt.multiple_choice or not self.artifact.multiple_choice_only
         common = dict(request_id=uuid.uuid4().hex, prompt=prompt.text, temperature=req.temperature or 0.0,
-                      top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted, adapter=fitted and self.artifact.has_adapter,
-                      n=req.n)
+                      top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted or free_form,
+                      adapter=fitted and self.artifact.has_adapter and not free_form, free_form=free_form, n=req.n)
         if prompt.cloze:
             return EngineRequest(**common, max_tokens=1)  # a template: choose_option sends one request per option token
         if prompt.multiple_choice:
@@ -255,9 +267,32 @@ class CalibratedService:
                                   lambda d=dist: [option_position(letters, d.probs, d.chosen)]))
         return answers
 
-    def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy) -> Answer:
+    async def free_answers(self, outs: list[EngineOutput], request: EngineRequest, domain: str, policy: ResolvedPolicy,
+                           with_raw: bool) -> list[Answer]:
+        # Raw token confidence needs prompt log-probs (in-process engines); elsewhere it stays null.
+        if with_raw and getattr(self.engine, "prompt_logprobs", False):
+            raws = await asyncio.gather(*(self.raw_token_confidence(o, request, i) for i, o in enumerate(outs)))
+        else:
+            raws = [None] * len(outs)
+        return [self.free_answer(o, domain, policy, raw) for o, raw in zip(outs, raws)]
+
+    async def raw_token_confidence(self, out: EngineOutput, request: EngineRequest, index: int = 0) -> float | None:
+        """The token confidence of the same answer without the α head: the prompt log-probs of prompt + answer on the
+        same weights (one prefill, no generation; prompt log-probs are taken before logits processors)."""
+        if not out.token_ids:
+            return None
+        prompt_ids = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        raw = await generate(self.engine, EngineRequest(
+            request_id=f"{request.request_id}-raw{index}", prompt="", prompt_token_ids=tuple(prompt_ids + out.token_ids),
+            max_tokens=1, prompt_logprobs=True, calibrated=False, adapter=request.adapter, free_form=request.free_form))
+        lps = (raw.prompt_logprobs or [])[len(prompt_ids):]
+        if len(lps) != len(out.token_ids):
+            raise EngineUnavailable("the engine returned no prompt log-probs for the answer")
+        return sequence_confidence(lps)
+
+    def free_answer(self, out: EngineOutput, domain: str, policy: ResolvedPolicy, raw: float | None = None) -> Answer:
         confidence = sequence_confidence(out.token_logprobs)
-        calibration = self._calibration(confidence, None, topk_entropy(out.top_logprobs), "free_form", None, domain, policy,
+        calibration = self._calibration(confidence, raw, topk_entropy(out.top_logprobs), "free_form", None, domain, policy,
                                         method="token")
         return Answer(policy.message if calibration.abstained else out.text, out.finish_reason, calibration,
                       len(out.token_ids), partial(self.positions, out))
@@ -369,16 +404,13 @@ class CalibratedService:
             runs.append(generate_choices(self.engine, replace(sampled, request_id=request.request_id + "-raw",
                                                               calibrated=False)))
         outs, *raw = await asyncio.gather(*runs)
-        clusters = semantic_clusters([o.text for o in outs])
-        top = clusters[0]
-        # Each cluster's most probable member: the first one answers, every one names its cluster.
-        best = [max(c.members, key=lambda i: sequence_confidence(outs[i].token_logprobs)) for c in clusters]
-        shares = np.array([c.size for c in clusters], dtype=np.float64) / len(outs)
+        choice = semantic_choice([o.text for o in outs], [sequence_confidence(o.token_logprobs) for o in outs])
+        top = choice.clusters[0]
         raw_conf = (sum(in_cluster(o.text, top) for o in raw[0]) / len(raw[0])) if raw else None
-        listed = [ClusterOut(answer=outs[i].text, size=c.size) for i, c in zip(best, clusters)]
-        calibration = self._calibration(top.size / len(outs), raw_conf, float(-(shares * np.log(shares)).sum()),
-                                        "free_form", None, domain, policy, method="semantic", clusters=listed)
-        out = outs[best[0]]
+        listed = [ClusterOut(answer=outs[i].text, size=c.size) for i, c in zip(choice.best, choice.clusters)]
+        calibration = self._calibration(choice.confidence, raw_conf, choice.entropy, "free_form", None, domain, policy,
+                                        method="semantic", clusters=listed)
+        out = outs[choice.answer]
         text = policy.message if calibration.abstained else out.text
         answer = Answer(text, out.finish_reason, calibration, sum(len(o.token_ids) for o in outs),
                         partial(self.positions, out))
@@ -393,13 +425,16 @@ class CalibratedService:
             served = Served(response_id, [answer], prompt_tokens)
         else:
             outs = await generate_choices(self.engine, request)
-            served = Served(response_id, [self.free_answer(o, domain, policy) for o in outs], outs[0].prompt_tokens)
-        self._record(served, domain)
+            served = Served(response_id, await self.free_answers(outs, request, domain, policy, with_raw),
+                            outs[0].prompt_tokens)
+        await self._record(served, domain)
         return served
 
-    def _record(self, served: Served, domain: str) -> None:
-        for i, answer in enumerate(served.answers):
-            self.store.record_response(response_key(served.response_id, i), domain, answer.calibration.confidence)
+    async def _record(self, served: Served, domain: str) -> None:
+        """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
+        requests being served meanwhile."""
+        rows = [(response_key(served.response_id, i), domain, a.calibration.confidence) for i, a in enumerate(served.answers)]
+        await asyncio.to_thread(self.store.record_responses, rows)
 
     async def _stream(self, response_id, view, prompt, request, domain, policy, with_raw, include_usage,
                       samples=None) -> AsyncIterator[str]:
@@ -435,8 +470,9 @@ class CalibratedService:
                         yield chunk([view.delta(delta.index, delta.text, positions, first=delta.index not in started)])
                         started.add(delta.index)
                 outs = EngineOutput.collect_choices(deltas, request.n)
-                served = Served(response_id, [self.free_answer(o, domain, policy) for o in outs], outs[0].prompt_tokens)
-                self._record(served, domain)
+                served = Served(response_id, await self.free_answers(outs, request, domain, policy, with_raw),
+                                outs[0].prompt_tokens)
+                await self._record(served, domain)
                 for i, answer in enumerate(served.answers):
                     yield chunk([view.finish(i, answer)])
             if include_usage:

@@ -62,3 +62,19 @@ def shipped_model(shipped_artifact, embedded_model_dir):
     if shipped_artifact.adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(shipped_artifact.adapter_dir)).eval()
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def free_form_model(shipped_artifact, embedded_model_dir):
+    """The embedded model with the shipped free-form mode's adapter applied by peft, and that mode's head."""
+    import torch
+    from peft import PeftModel
+
+    from training.scoring import load_hf_model
+
+    torch.set_num_threads(1)
+    mode = shipped_artifact.free_form
+    model, tokenizer = load_hf_model(str(embedded_model_dir), "float32")
+    if mode.adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(mode.adapter_dir)).eval()
+    return model, tokenizer, mode.head

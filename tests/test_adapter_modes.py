@@ -25,7 +25,8 @@ def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shi
     env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_ADAPTER_MODE": "lora", "CALM_ONE_PASS_SCORING": "false"}
     with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp_path / "gw.log", env):
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
-        assert health["engine"]["adapter"] == "lora" and health["engine"]["engines"] == ["base"]
+        # The multiple-choice adapter as a vLLM LoRA in the base engine; the free-form mode has its own engine (its head).
+        assert health["engine"]["adapter"] == "lora" and health["engine"]["engines"] == ["base", "free_form"]
         assert health["scoring"]["multiple_choice"].startswith("cloze per-token")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
@@ -36,4 +37,4 @@ def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shi
         assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
         free = client.chat.completions.create(model=MODEL, max_tokens=10,
                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in free.choices[0].message.content  # free form stays on the base weights, no LoRA
+        assert "Paris" in free.choices[0].message.content  # the free-form mode, not the multiple-choice LoRA

@@ -139,3 +139,35 @@ def test_corrupt_or_incomplete_artifacts_are_refused(saved, tmp_path):
     (saved / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="invalid manifest \\(tokenizer"):
         load_artifact(saved)
+
+
+def test_one_artifact_for_every_request_carries_its_free_form_mode(tmp_path):
+    """A multiple-choice artifact with a free-form one attached: a new version, both heads verified at load, the
+    free-form domains' reference histograms joined, and an edited or foreign free-form part refused."""
+    from calm_core.artifact import FREE_FORM_DIR, attach_free_form, update_manifest
+
+    hist = lambda n: ReferenceHistogram(bin_edges=[0.0, 0.5, 1.0], counts=[n, 1])  # noqa: E731
+    mc = save_artifact(tmp_path / "mc", AlphaHead.scalar(2.0), base_model=BASE, tokenizer=TOK, method="calm_scalar",
+                       answer_format="cloze", applies_to="multiple_choice",
+                       reference_histograms={"science": hist(1), "all": hist(2)})
+    ff = save_artifact(tmp_path / "ff", vector_head(), base_model=BASE, tokenizer=TOK, method="calm",
+                       answer_format="generative", applies_to="free_form",
+                       reference_histograms={"trivia": hist(3), "all": hist(4)})
+    with pytest.raises(ArtifactError, match="attach a free-form"):
+        attach_free_form(tmp_path / "ff", tmp_path / "mc", tmp_path / "bad")
+    both = attach_free_form(tmp_path / "mc", tmp_path / "ff", tmp_path / "both")
+    assert both.artifact_version != mc.artifact_version and both.free_form_version == ff.artifact_version
+    assert both.reference_histograms["all"].counts == [2, 1] and both.reference_histograms["trivia"].counts == [3, 1]
+    loaded = load_artifact(tmp_path / "both", expect_vocab_size=V)
+    assert loaded.head.kind.value == "scalar" and loaded.free_form.head.kind.value == "vector"
+    assert loaded.free_form.manifest.answer_format == "generative"
+    assert load_artifact(tmp_path / "mc").free_form is None  # multiple choice only: no free-form mode
+    assert load_artifact(tmp_path / "ff").free_form.path == tmp_path / "ff"
+    # A free-form part that is not the one named, or trained on another model, is refused with the outer artifact.
+    update_manifest(tmp_path / "both" / FREE_FORM_DIR, artifact_version="other")
+    with pytest.raises(ArtifactError, match="not the free-form artifact"):
+        load_artifact(tmp_path / "both")
+    update_manifest(tmp_path / "both" / FREE_FORM_DIR, artifact_version=ff.artifact_version,
+                    base_model=BaseModelRef(id="other", weights_sha256="0" * 64))
+    with pytest.raises(ArtifactError, match="another base model"):
+        load_artifact(tmp_path / "both")

@@ -55,9 +55,11 @@ def test_option_probabilities_within_the_bf16_budget(bf16_client, shipped_artifa
 
 
 @torch.inference_mode()
-def test_free_form_confidence_within_the_bf16_budget(bf16_client, embedded_model):
-    """The answer's geometric-mean token probability, recomputed by HF fp32 on the tokens the engine generated."""
-    model, tokenizer = embedded_model
+def test_free_form_confidence_within_the_bf16_budget(bf16_client, free_form_model):
+    """The answer's geometric-mean token probability under the free-form mode (adapter + head), recomputed by HF fp32
+    on the tokens the engine generated."""
+    model, tokenizer, head = free_form_model
+    scale, shift = torch.as_tensor(head.scale), torch.as_tensor(head.shift)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     worst, compared = 0.0, 0
     for text in PROMPTS:
@@ -69,7 +71,7 @@ def test_free_form_confidence_within_the_bf16_budget(bf16_client, embedded_model
         answer += [eos] if choice.finish_reason == "stop" else []  # the end-of-turn token is generated and scored
         if len(answer) != r.usage.completion_tokens:
             continue  # the text does not re-tokenize to the generated ids: no like-for-like comparison
-        logp = torch.log_softmax(model(torch.tensor([prompt + answer])).logits[0].float(), -1)
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + answer])).logits[0].float() * scale + shift, -1)
         token_lps = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(answer)]
         expected = math.exp(float(np.mean(token_lps)))
         worst = max(worst, abs(choice.model_extra["calibration"]["confidence"] - expected))

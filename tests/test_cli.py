@@ -91,3 +91,22 @@ def test_eval_writes_report_and_identity_head_changes_nothing(tmp_path, embedded
     assert headed["results"]["arc_easy:dev"]["nll"] == pytest.approx(m["nll"], abs=1e-9)
     assert (tmp_path / "plain/reliability.png").stat().st_size > 10_000
     assert "| arc_easy:dev | 24 |" in (tmp_path / "plain/report.md").read_text()
+
+
+@pytest.mark.slow
+def test_free_form_eval_of_the_shipped_mode_writes_a_report(tmp_path, embedded_model_dir, shipped_artifact):
+    """`calm eval --artifact` on open-ended sets answers through the artifact's free-form mode (vLLM, as served):
+    accuracy, token and semantic confidence per set; a range of a split selects the questions a domain split would."""
+    out = tmp_path / "ff"
+    proc = run_calm("eval", "-d", "popqa:test@0-0.006", "--limit", "0", "--samples", "3", "--artifact",
+                    str(shipped_artifact.path), "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["artifact"] == shipped_artifact.manifest.free_form_version
+    m = report["results"]["popqa:test@0-0.006"]
+    assert m["n"] == 6 and 0 < m["mean_confidence"] < 1 and 0 <= m["sem_accuracy"] <= 1
+    answers = [json.loads(l) for l in (out / "answers_popqa_test_0-0.006.jsonl").read_text().splitlines()]
+    assert all(sum(a["cluster_sizes"]) == 3 for a in answers)
+    assert_one_line_error(run_calm("eval", "-d", "popqa:test@0.5", "--out", str(tmp_path / "x")), "name:split@0.7-0.8")
+    assert_one_line_error(run_calm("eval", "-d", "popqa:test", "-d", "arc_easy", "--out", str(tmp_path / "x")),
+                          "evaluated alone")

@@ -79,14 +79,69 @@ def test_options_written_in_the_prompt_are_scored_the_same_way(client):
     assert explicit.usage.completion_tokens == 0 and explicit.usage.prompt_tokens > 10
 
 
-def test_free_form_answers_come_from_the_base_model(client):
-    """The shipped head and adapter are fitted on multiple choice only: chat keeps the base model's answers."""
+def test_shipped_artifact_serves_free_form_answers_with_its_own_calm_mode(shipped_artifact):
+    mode = shipped_artifact.free_form
+    assert mode is not None and mode is not shipped_artifact and shipped_artifact.manifest.free_form_version
+    assert mode.manifest.answer_format == "generative" and mode.manifest.method.startswith("calm")
+    assert {"trivia", "entity_knowledge"} <= set(shipped_artifact.manifest.reference_histograms)
+
+
+# Plain prompts the base model answers correctly (greedy): the free-form mode must keep them right.
+PLAIN = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo",
+         "What is the chemical symbol for water?": "H2O", "Who painted the Mona Lisa?": "Leonardo da Vinci"}
+
+
+def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client, free_form_model, shared_data):
+    """A free-form answer's confidence is the geometric mean of its tokens' calibrated probabilities under the
+    free-form mode (adapter + α head), end-of-turn token included; raw_confidence the same without the head. Both
+    equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included; plain
+    prompts keep a correct answer."""
+    import torch
+
+    from calm_core.data import load_open
+    from training.generative import encode_text, free_form_prompt
+
+    model, tokenizer, head = free_form_model
+    scale, shift = torch.as_tensor(head.scale), torch.as_tensor(head.shift)
+    questions = list(PLAIN) + [q.question for q in load_open("triviaqa", root=shared_data)[2400:2403]]
+    moved = 0
+    for question in questions:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                           max_tokens=48, logprobs=True, extra_body={"calm": {"raw_confidence": True}})
+        choice, cal = r.choices[0], calibration(r.choices[0])
+        assert cal["mode"] == "free_form" and cal["method"] == "token"
+        prompt = list(encode_text(tokenizer, free_form_prompt(tokenizer, question)))
+        ids, calibrated, raw = list(prompt), [], []
+        with torch.no_grad():  # greedy under the calibrated distribution, as the engine samples
+            for _ in range(48):
+                z = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                logp = torch.log_softmax(z * scale + shift, -1)
+                token = int(logp.argmax())
+                calibrated.append(float(logp[token]))
+                raw.append(float(torch.log_softmax(z, -1)[token]))
+                ids.append(token)
+                if token == tokenizer.eos_token_id:
+                    break
+        answer = ids[len(prompt):]
+        assert choice.message.content == tokenizer.decode(answer, skip_special_tokens=True)
+        served = [t.logprob for t in choice.logprobs.content]
+        np.testing.assert_allclose(served, calibrated[: len(served)], atol=1e-3)
+        assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(calibrated))), abs=1e-3)
+        assert cal["raw_confidence"] == pytest.approx(float(np.exp(np.mean(raw))), abs=1e-3)
+        moved += abs(cal["confidence"] - cal["raw_confidence"]) > 0.01
+        if question in PLAIN:
+            assert PLAIN[question] in choice.message.content
+    assert moved >= 3  # the free-form head changes the confidence inside the engine
+
+
+def test_semantic_confidence_returns_cluster_sizes(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                       max_tokens=10, logprobs=True)
+                                       max_tokens=24, extra_body={"calm": {"confidence": "semantic", "samples": 8}})
     cal = calibration(r.choices[0])
-    assert "Paris" in r.choices[0].message.content and cal["mode"] == "free_form"
-    lps = [t.logprob for t in r.choices[0].logprobs.content]
-    assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(lps))), rel=1e-6) and cal["confidence"] > 0.5
+    sizes = [c["size"] for c in cal["clusters"]]
+    assert cal["method"] == "semantic" and sum(sizes) == 8 and sizes == sorted(sizes, reverse=True)
+    assert cal["confidence"] == pytest.approx(sizes[0] / 8)
+    assert r.choices[0].message.content == cal["clusters"][0]["answer"]
 
 
 def test_sampled_answers_follow_the_seed(client):

@@ -500,3 +500,67 @@ def test_openapi_documents_error_statuses_and_405_names_allowed_methods(tmp_path
         wrong = client.get("/v1/chat/completions")
         assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
         assert wrong.json()["error"]["message"] == "Method Not Allowed"
+
+
+class FreeFormModeEngine(FailingEngine):
+    """An engine with a free-form mode: generated tokens get log-prob -0.2 calibrated; prompt log-probs (raw, read
+    before logits processors) are -0.5 per token."""
+
+    free_form_mode, prompt_logprobs = True, True
+
+    def __init__(self):
+        super().__init__(None)
+        self.requests = []
+
+    def describe(self) -> dict:
+        return {"kind": "fake"}
+
+    async def stream(self, request):
+        from adapters.engine import EngineDelta
+
+        self.requests.append(request)
+        if request.prompt_logprobs:
+            ids = request.prompt_token_ids
+            yield EngineDelta(text="", token_ids=[9], token_logprobs=[-1.0], top_logprobs=[{9: -1.0}],
+                              prompt_logprobs=[math.nan] + [-0.5] * (len(ids) - 1), prompt_tokens=len(ids))
+            return
+        yield EngineDelta(text="Paris", token_ids=[7, 8], token_logprobs=[-0.2, -0.2],
+                          top_logprobs=[{7: -0.2}, {8: -0.2}], prompt_tokens=3, finish_reason="stop")
+
+
+def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_from_prompt_logprobs(tmp_path):
+    """An artifact fitted to multiple choice that carries a free-form mode: free-form requests go to that mode
+    calibrated (not the multiple-choice adapter); raw confidence is the same answer's prompt log-probs without the
+    head; multiple-choice requests keep the multiple-choice weights."""
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(
+        reference_histograms={}, answer_format="letter", applies_to="multiple_choice", has_adapter=True,
+        artifact_version="test-v1", free_form_version="ff-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    engine = FreeFormModeEngine()
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}],
+            "calm": {"raw_confidence": True}}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        cal = r.json()["choices"][0]["calibration"]
+        assert cal["confidence"] == pytest.approx(math.exp(-0.2)) and cal["raw_confidence"] == pytest.approx(math.exp(-0.5))
+        answer, raw = engine.requests
+        assert answer.free_form and answer.calibrated and not answer.adapter
+        assert raw.free_form and not raw.calibrated and raw.prompt_logprobs and raw.prompt_token_ids[-2:] == (7, 8)
+        health = client.get("/health").json()
+        assert "free-form mode ff-v1" in health["scoring"]["free_form"]
+    # Without a free-form mode in the engine, free form falls back to the base weights without the head.
+    engine = FreeFormModeEngine()
+    engine.free_form_mode = False
+    app = create_app(GatewaySettings(db_path=tmp_path / "g2.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert not engine.requests[0].free_form and not engine.requests[0].calibrated and not engine.requests[0].adapter

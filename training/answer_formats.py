@@ -1,11 +1,13 @@
-"""How a multiple-choice question becomes a distribution over its options, for training and evaluation.
+"""How a question and its answer become what training fits: option logits (multiple choice) or answer tokens (free form).
 
-Two formats share one interface, so the trainer, its objectives and the report do not know which is in use:
+Three formats share one interface, so the trainer and its objectives do not know which is in use:
 
     letter  the options listed in the prompt, the answer is one letter; option logits are the calibrated logits of
             the letters A, B, ... at the answer position. (At 135M parameters this stays at chance.)
     cloze   the question alone, each option scored by the length-normalised log-likelihood of its text under the
             calibrated full-vocabulary distribution (training/cloze.py).
+    generative  free-form: the question under the chat template, the answer's tokens generated after it; no options
+            (training/generative.py).
 
 `forward` runs the trained top layers (gradients flow to θ); `option_logits` and `token_entropy` apply α to what
 forward returned, so the CALM step can reuse one detached forward at θ̃ with gradients flowing only to α.
@@ -23,13 +25,14 @@ from calm_core.data import MCQuestion
 from calm_core.prompts import AnswerFormatName, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
 from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
-from training.objectives import entropy
+from training.objectives import cross_entropy, entropy, mask_options
 from training.top_layers import collate, encode_prefix, last_logits
 
 
 
 class AnswerFormat(Protocol):
     name: str
+    generative: bool  # free-form answers: no options, evaluated by generation
 
     def fingerprint(self, tokenizer, q: MCQuestion) -> str:
         """Text that fully determines the encoded input (the encoding cache key)."""
@@ -48,9 +51,31 @@ class AnswerFormat(Protocol):
         """(B,) entropy of the calibrated full-vocabulary distribution at the answer token(s)."""
         ...
 
+    def loss(self, raw, alpha: AlphaParams, labels: torch.Tensor, n_options: torch.Tensor,
+             smoothing: float = 0.0) -> torch.Tensor:
+        """The lower level g: mean cross-entropy of the gold answer under the calibrated distribution."""
+        ...
+
+    def upper_entropy(self, raw, alpha: AlphaParams, n_options: torch.Tensor, over: str) -> torch.Tensor:
+        """(B,) the entropy the upper level maximises: over the options, or the vocabulary at the answer token(s)."""
+        ...
+
     def tracked_tokens(self, items: list) -> torch.Tensor:
         """Token ids whose mean scale d is logged during training."""
         ...
+
+
+class OptionLosses:
+    """g and f of multiple-choice formats, from their option logits."""
+
+    def loss(self, raw, alpha, labels, n_options, smoothing=0.0) -> torch.Tensor:
+        logits = mask_options(self.option_logits(raw, alpha), n_options.to(labels.device))
+        return cross_entropy(logits, labels, smoothing)
+
+    def upper_entropy(self, raw, alpha, n_options, over) -> torch.Tensor:
+        if over == "vocab":
+            return self.token_entropy(raw, alpha)
+        return entropy(mask_options(self.option_logits(raw, alpha), n_options.to(raw.logits.device)))
 
 
 @dataclass
@@ -59,8 +84,9 @@ class LetterLogits:
     width: int  # option slots to return
 
 
-class LetterFormat:
+class LetterFormat(OptionLosses):
     name = "letter"
+    generative = False
 
     def __init__(self, tokenizer):
         self.letter_ids = torch.tensor(letter_token_ids(tokenizer))
@@ -88,8 +114,9 @@ class LetterFormat:
         return self.letter_ids
 
 
-class ClozeFormat:
+class ClozeFormat(OptionLosses):
     name = "cloze"
+    generative = False
 
     def fingerprint(self, tokenizer, q: MCQuestion) -> str:
         return "\0".join([cloze_prompt(q.question), *(cloze_option(c) for c in q.choices)])
@@ -114,5 +141,10 @@ class ClozeFormat:
         return torch.unique(torch.cat([q.targets for q in items]))
 
 
-def answer_format(name: AnswerFormatName, tokenizer) -> AnswerFormat:
+def answer_format(name: AnswerFormatName, tokenizer, targets: dict | None = None) -> AnswerFormat:
+    """The format by name; the generative one needs each question's answer tokens (training/generative.py)."""
+    if name == "generative":
+        from training.generative import GenerativeFormat
+
+        return GenerativeFormat(tokenizer, targets or {})
     return LetterFormat(tokenizer) if name == "letter" else ClozeFormat()

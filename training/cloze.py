@@ -123,7 +123,7 @@ def token_logits(model, items: list[PackedQuestion], first_trained: int, width: 
     return TokenLogits(logits, torch.cat([q.targets for q in items]).to(device), slot, len(items), width)
 
 
-def _mean_by(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+def mean_by(values: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Mean of `values` per group index; groups without values are 0."""
     sums = values.new_zeros(n_groups).index_add(0, group, values)
     counts = values.new_zeros(n_groups).index_add(0, group, torch.ones_like(values))
@@ -134,11 +134,11 @@ def option_scores(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) ->
     """(B, width) mean calibrated log-likelihood of each option's tokens; slots without an option are 0 (mask them).
     The rule of calm_core.scoring.cloze_scores over a packed batch, differentiable in θ and α."""
     logp = torch.log_softmax(apply_alpha(raw.logits, scale, shift), -1).gather(1, raw.targets[:, None]).squeeze(1)
-    return _mean_by(logp, raw.slot, raw.rows * raw.width).view(raw.rows, raw.width)
+    return mean_by(logp, raw.slot, raw.rows * raw.width).view(raw.rows, raw.width)
 
 
 def token_entropy(raw: TokenLogits, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(B,) mean Shannon entropy (nats) of the calibrated full-vocabulary distribution at each question's option tokens."""
     logp = torch.log_softmax(apply_alpha(raw.logits, scale, shift), -1)
     per_position = -(logp.exp() * logp).sum(-1)
-    return _mean_by(per_position, torch.div(raw.slot, raw.width, rounding_mode="floor"), raw.rows)
+    return mean_by(per_position, torch.div(raw.slot, raw.width, rounding_mode="floor"), raw.rows)

@@ -23,7 +23,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
     out_dir: str = "runs/calm"
     # cloze: options scored by their text's length-normalised log-likelihood (α on every token of it);
-    # letter: one letter at the answer position (stays at chance at 135M parameters).
+    # letter: one letter at the answer position (stays at chance at 135M parameters);
+    # generative: free-form answers (open-ended splits), the answer's tokens after the chat-templated question.
     answer_format: AnswerFormatName = "cloze"
 
     # LoRA on the top decoder layers only (their input is cached once per prompt).
@@ -58,9 +59,13 @@ class TrainConfig(BaseModel):
     def _consistent(self):
         from training.methods import METHODS
 
-        required = METHODS[self.method].head
-        if required is not None:
-            self.head = required
+        spec = METHODS[self.method]
+        if spec.head is not None:
+            self.head = spec.head
+        if self.answer_format == "generative":
+            if not spec.free_form:
+                raise ValueError(f"method {self.method!r} does not apply to free-form answers")
+            self.entropy_over = "vocab"  # free-form answers have no options: the entropy is the vocabulary's
         return self
 
 

@@ -30,24 +30,55 @@ from training.scoring import load_tokenizer
 class DatasetSpec:
     name: str  # a known dataset, or a JSONL file in the shared schema
     split: str
+    fraction: tuple[float, float] | None = None  # a range of the split's seeded order, as domain splits take it
 
     @classmethod
     def parse(cls, text: str) -> "DatasetSpec":
-        """'arc_easy', 'arc_easy:dev', or a path to a .jsonl file."""
+        """'arc_easy', 'arc_easy:dev', 'triviaqa:sample@0.7-0.8' (that fraction of the split, in the order domain
+        splits use, so it can be kept apart from a split's training range), or a path to a .jsonl file."""
         if text.endswith(".jsonl") or Path(text).is_file():
             return cls(text, "file")
+        text, _, part = text.partition("@")
         name, _, split = text.partition(":")
-        return cls(name, split or default_split(name))
+        fraction = None
+        if part:
+            try:
+                lo, hi = (float(x) for x in part.split("-"))
+            except ValueError:
+                raise DataError(f"dataset range must look like name:split@0.7-0.8, not {part!r}") from None
+            fraction = (lo, hi)
+        return cls(name, split or default_split(name), fraction)
+
+    @property
+    def open_ended(self) -> bool:
+        from calm_core.data import OPEN_DATASETS
+
+        return self.name in OPEN_DATASETS
 
     @property
     def label(self) -> str:
-        return Path(self.name).stem if self.split == "file" else f"{self.name}:{self.split}"
+        if self.split == "file":
+            return Path(self.name).stem
+        return f"{self.name}:{self.split}" + (f"@{self.fraction[0]:g}-{self.fraction[1]:g}" if self.fraction else "")
 
-    def load(self) -> list[MCQuestion]:
+    def load(self) -> list:
         if self.split == "file":
             if not Path(self.name).is_file():
                 raise DataError(f"data file not found: {self.name}")
             return load_mc_file(self.name)
+        if self.fraction is not None:
+            from pydantic import ValidationError
+
+            from calm_core.splits import SourceSpec, select
+
+            try:
+                return select(SourceSpec(dataset=self.name, split=self.split, fraction=self.fraction), seed=0)
+            except ValidationError as e:
+                raise DataError(f"{self.label}: {e.errors()[0]['msg']}") from None
+        if self.open_ended:
+            from calm_core.data import load_open
+
+            return load_open(self.name, self.split)
         return load_mc(self.name, self.split)
 
 

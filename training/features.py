@@ -65,8 +65,11 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
     for role, d in sets.items():
         out[role] = {}
         for label, qs in d.items():
-            out[role][label] = EncodedSet(label, qs, items[i : i + len(qs)], torch.tensor([q.answer for q in qs]),
-                                          torch.tensor([q.n_options for q in qs]))
+            # Free-form questions have one "option", their answer: label 0 of 1.
+            labels = [q.answer if isinstance(q, MCQuestion) else 0 for q in qs]
+            n_options = [q.n_options if isinstance(q, MCQuestion) else 1 for q in qs]
+            out[role][label] = EncodedSet(label, qs, items[i : i + len(qs)], torch.tensor(labels, dtype=torch.long),
+                                          torch.tensor(n_options, dtype=torch.long))
             i += len(qs)
     return out
 

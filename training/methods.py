@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from training.bome import bome_direction
-from training.objectives import cft_gap, cross_entropy
+from training.objectives import cft_gap
 
 if TYPE_CHECKING:
     from training.trainer import Trainer
@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 def step_sft(t: "Trainer", smoothing: float = 0.0, cft: bool = False) -> dict:
     """Cross-entropy on θ only; α stays the identity."""
     batch = t.train_stream.next()
-    logits = t.calibrated(t.forward(batch), batch)
-    loss = cross_entropy(logits, batch.labels.to(t.device), smoothing)
+    raw = t.forward(batch)
+    loss = t.g(batch, raw, smoothing)
     if cft:
-        loss = loss + t.cfg.cft_weight * cft_gap(logits, t.cft_bins)
+        loss = loss + t.cfg.cft_weight * cft_gap(t.calibrated(raw, batch), t.cft_bins)
     t.apply(t.theta, torch.autograd.grad(loss, t.theta))
     return {"g": float(loss.detach())}
 
@@ -102,12 +102,13 @@ class MethodSpec:
     step: Callable[["Trainer"], dict]
     trains_alpha: bool
     head: Literal["vector", "scalar"] | None = None  # the head the method needs; None: the config's `head`
+    free_form: bool = True  # applies to free-form answers (CFT's binned accuracies need options)
 
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("sft", step_sft, trains_alpha=False),
     MethodSpec("label_smoothing", step_label_smoothing, trains_alpha=False),
-    MethodSpec("cft", step_cft, trains_alpha=False),
+    MethodSpec("cft", step_cft, trains_alpha=False, free_form=False),
     MethodSpec("regularization", step_regularization, trains_alpha=True),
     MethodSpec("iterate", step_iterate, trains_alpha=True),
     MethodSpec("calm", step_calm, trains_alpha=True),

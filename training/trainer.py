@@ -39,7 +39,7 @@ from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.config import TrainConfig
 from training.features import EncodedSet, concat, encode_sets
 from training.methods import METHODS
-from training.objectives import cross_entropy, entropy, mask_options
+from training.objectives import mask_options
 from training.scoring import load_causal_lm, load_tokenizer
 
 log = logging.getLogger("calm.train")
@@ -108,7 +108,10 @@ class Trainer:
         self.model = self._lora_model(load_causal_lm(self.resolved.path)).to(self.device)
         self.first_trained = self.model.get_base_model().config.num_hidden_layers - cfg.lora_top_layers
         self.split = materialize(load_split(cfg.split))
-        self.fmt = answer_format(cfg.answer_format, self.tokenizer)
+        if self.split.config.open_ended != (cfg.answer_format == "generative"):
+            raise ConfigError(f"split {cfg.split} is {'open-ended' if self.split.config.open_ended else 'multiple choice'}"
+                              f"; answer_format {cfg.answer_format!r} does not fit it (open-ended splits need 'generative')")
+        self.fmt = answer_format(cfg.answer_format, self.tokenizer, self._answer_targets() if self.split.config.open_ended else None)
         self.sets = encode_sets(self.model, self.tokenizer, self.split, self.first_trained,
                                 model_weights_sha256(self.resolved), calm_home() / "cache", self.fmt,
                                 cfg.encode_batch_size)
@@ -128,6 +131,18 @@ class Trainer:
         self.cft_bins = self._initial_bin_accuracy() if cfg.method == "cft" else None
         return self
 
+    def _answer_targets(self) -> dict[str, tuple[int, ...]]:
+        """Free form: the gold answer of every labelled question; the model's own greedy answer to every calibration
+        prompt (its labels are never read)."""
+        from training.generative import gold_target, greedy_targets
+
+        targets = {q.id: gold_target(self.tokenizer, q) for role in ("train", "test_in_domain", "test_out_of_domain")
+                   for q in self.split.role(role)}
+        with self.model.disable_adapter():
+            targets.update(greedy_targets(self.model, self.tokenizer, self.split.role("calibration"),
+                                          calm_home() / "cache", model_weights_sha256(self.resolved)))
+        return targets
+
     def _lora_model(self, model):
         from peft import LoraConfig, get_peft_model
 
@@ -142,20 +157,17 @@ class Trainer:
         return self.fmt.forward(self.model, batch.items, self.first_trained, batch.width, self.device)
 
     def calibrated(self, raw, batch: Batch) -> torch.Tensor:
-        """(B, width) calibrated option logits, -inf past each question's options."""
+        """(B, width) calibrated option logits, -inf past each question's options (multiple choice)."""
         return mask_options(self.fmt.option_logits(raw, self.alpha), batch.n_options.to(self.device))
 
-    def g(self, batch: Batch, raw=None) -> torch.Tensor:
-        """Lower level: CE of the gold option under the calibrated distribution."""
+    def g(self, batch: Batch, raw=None, smoothing: float = 0.0) -> torch.Tensor:
+        """Lower level: CE of the gold answer (option, or answer tokens) under the calibrated distribution."""
         raw = self.forward(batch) if raw is None else raw
-        return cross_entropy(self.calibrated(raw, batch), batch.labels.to(self.device))
+        return self.fmt.loss(raw, self.alpha, batch.labels.to(self.device), batch.n_options, smoothing)
 
     def f(self, batch: Batch) -> torch.Tensor:
         """Upper level: minus the mean predictive entropy on unlabelled calibration questions."""
-        raw = self.forward(batch)
-        if self.cfg.entropy_over == "vocab":
-            return -self.fmt.token_entropy(raw, self.alpha).mean()
-        return -entropy(self.calibrated(raw, batch)).mean()
+        return -self.fmt.upper_entropy(self.forward(batch), self.alpha, batch.n_options, self.cfg.entropy_over).mean()
 
     # -- applying a step ------------------------------------------------------------------------------------------
     def apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
@@ -215,10 +227,27 @@ class Trainer:
         return option_probs(self.option_logits(data), data.n_options.numpy())
 
     def quick_eval(self) -> dict:
+        if self.fmt.generative:
+            return self.free_form_quick_eval()
         data = self.calib_set
         probs = self.probs(data)
         conf, correct = top_label(probs, data.labels.numpy())
         return {"accuracy": float(correct.mean()), "mean_conf": float(conf.mean())}
+
+    @torch.no_grad()
+    def free_form_quick_eval(self, batch_size: int = 32) -> dict:
+        """Mean calibrated NLL of the gold answers of the first in-domain test set, and the calibration entropy."""
+        from training.generative import answer_nll
+
+        out = {}
+        for key, data, fn in (("gold_nll", next(iter(self.sets["test_in_domain"].values())), answer_nll),
+                              ("calib_entropy", self.calib_set, None)):
+            values = []
+            for start in range(0, len(data), batch_size):
+                raw = self.fmt.forward(self.model, data.items[start : start + batch_size], self.first_trained, 1, self.device)
+                values.append(fn(raw, self.alpha) if fn else self.fmt.upper_entropy(raw, self.alpha, None, "vocab"))
+            out[key] = float(torch.cat(values).mean())
+        return out
 
     def evaluate(self) -> dict[str, dict]:
         """Metrics on every test source, keyed 'in_domain/<label>' and 'out_of_domain/<label>'."""
@@ -275,9 +304,12 @@ class Trainer:
         path = self.out / "artifact"
         if not self.accelerator.is_main_process:
             return path
-        metrics = metrics if metrics is not None else self.evaluate()
+        generative = self.fmt.generative
+        # Free-form metrics and reference histograms need generated answers: `calm eval --artifact` and the open-ended
+        # report add them (training/free_form_eval.py); multiple choice computes both here.
+        metrics = metrics if metrics is not None else ({} if generative else self.evaluate())
         base, tok = model_refs(self.resolved, self.tokenizer, self.vocab_size)
-        histograms = self.reference_histograms()
+        histograms = {} if generative else self.reference_histograms()
         flat = {k: {m: float(v) for m, v in d.items() if isinstance(v, (int, float))} for k, d in metrics.items()}
         data = [DataRef(name=f"{role}:{label}", sha256=_ids_hash(s.questions))
                 for role in ("train", "calibration") for label, s in self.sets[role].items()]
@@ -289,7 +321,8 @@ class Trainer:
             Path(tmp, "README.md").unlink(missing_ok=True)
             save_artifact(path, self.alpha.to_head(), base_model=base, tokenizer=tok, method=self.cfg.method,
                           training_data=data, metrics=flat, reference_histograms=histograms, adapter_dir=tmp,
-                          answer_format=self.cfg.answer_format, applies_to="multiple_choice")
+                          answer_format=self.cfg.answer_format,
+                          applies_to="free_form" if generative else "multiple_choice")
         (self.out / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         if merged:
             self.write_merged(self.out / "merged")
