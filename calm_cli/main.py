@@ -43,7 +43,7 @@ def _store():
     from gateway.settings import GatewaySettings
     from gateway.store import Store
 
-    return Store(GatewaySettings().db_path)
+    return Store(GatewaySettings().database)
 
 
 @keys_app.command("create")

@@ -47,7 +47,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     registry = registry or CollectorRegistry()
-    store = store or Store(settings.db_path)
+    store = store or Store(settings.database)
     metrics = Metrics(registry)
     monitor = DomainMonitor(metrics, artifact.manifest.reference_histograms, settings.domains, settings.drift_window)
 

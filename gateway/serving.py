@@ -37,14 +37,22 @@ from gateway.store import Store
 
 
 class PolicyBook:
-    """Policies read from the store once and refreshed on every admin write (reads are on the hot path)."""
+    """Policies cached from the store (reads are on the hot path): refreshed at once on this replica's admin writes,
+    and re-read when older than `max_age_s`, so a change made through another replica sharing the database is in
+    force here within that time."""
 
-    def __init__(self, store: Store):
-        self.store = store
+    def __init__(self, store: Store, max_age_s: float = 5.0, clock=time.monotonic):
+        self.store, self.max_age_s, self.clock = store, max_age_s, clock
         self.refresh()
 
     def refresh(self) -> None:
         self._policies = {d: (Policy.model_validate(body), v) for d, (body, v) in self.store.list_policies().items()}
+        self._loaded = self.clock()
+
+    def _current(self) -> dict:
+        if self.clock() - self._loaded > self.max_age_s:
+            self.refresh()
+        return self._policies
 
     def for_domain(self, domain: str) -> tuple[Policy | None, str]:
         policy, key, version = self.in_force(domain)
@@ -52,9 +60,10 @@ class PolicyBook:
 
     def in_force(self, domain: str) -> tuple[Policy | None, str | None, int | None]:
         """The policy that applies to a domain (its own, else the default), with its key and version."""
+        policies = self._current()
         for key in (domain, DEFAULT_DOMAIN):
-            if key in self._policies:
-                policy, version = self._policies[key]
+            if key in policies:
+                policy, version = policies[key]
                 return policy, key, version
         return None, None, None
 

@@ -46,6 +46,12 @@ class GatewaySettings(BaseSettings):
     # development a request without a key (or with a placeholder that is not a calm key) passes.
     require_api_keys: bool | None = None
     db_path: Path = Field(default_factory=lambda: Path(".calm/gateway.sqlite3"))
+    # PostgreSQL instead of the SQLite file, for replicas sharing one database: postgresql+psycopg://user:pw@host/db
+    db_url: str | None = None
+
+    @property
+    def database(self) -> str:
+        return self.db_url or str(self.db_path)
     domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
     drift_window: int = 200
     feedback_window: int = 500

@@ -1,137 +1,150 @@
-"""SQLite persistence (the embedded default): policies with versioned audit log, responses and their feedback.
+"""Persistence through one data layer (SQLAlchemy Core) on SQLite (the embedded default) or PostgreSQL (replicas
+sharing one database): policies with a versioned audit log, responses and their feedback, risk fits, client keys.
 
 Only what the product needs is stored: response id, domain, confidence, time. Never prompt or answer text.
-Writes are transactions, so a crash loses at most the write in flight, never what was stored before.
+Writes are transactions, so a crash loses at most the write in flight, never what was stored before. Policy writes
+take a row lock (PostgreSQL `SELECT … FOR UPDATE`; SQLite's single writer), so concurrent writers on several replicas
+get a version conflict, not a lost update.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from pathlib import Path
 
+from sqlalchemy import (
+    Column, Float, Integer, MetaData, String, Table, Text, create_engine, delete, event, func, select, update,
+)
+from sqlalchemy.exc import IntegrityError
+
 from gateway.keys import ClientKey
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS policies (
-    domain TEXT PRIMARY KEY,
-    body TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS policy_audit (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    domain TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    action TEXT NOT NULL,
-    before TEXT,
-    after TEXT,
-    actor TEXT NOT NULL,
-    at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY,
-    domain TEXT NOT NULL,
-    confidence REAL NOT NULL,
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS feedback (
-    response_id TEXT PRIMARY KEY REFERENCES responses(id),
-    correct INTEGER NOT NULL,
-    at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS feedback_at ON feedback(at);
-CREATE TABLE IF NOT EXISTS client_keys (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    key_sha256 TEXT NOT NULL UNIQUE,
-    domains TEXT,
-    requests_per_minute REAL,
-    created_at REAL NOT NULL,
-    revoked_at REAL
-);
-CREATE TABLE IF NOT EXISTS risk_fits (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    domain TEXT NOT NULL,
-    fit TEXT NOT NULL,
-    at REAL NOT NULL
-);
-"""
+META = MetaData()
+POLICIES = Table("policies", META,
+                 Column("domain", String(64), primary_key=True),
+                 Column("body", Text, nullable=False),
+                 Column("version", Integer, nullable=False),
+                 Column("updated_at", Float, nullable=False))
+AUDIT = Table("policy_audit", META,
+              Column("seq", Integer, primary_key=True, autoincrement=True),
+              Column("domain", String(80), nullable=False, index=True),
+              Column("version", Integer, nullable=False),
+              Column("action", String(16), nullable=False),
+              Column("before", Text),
+              Column("after", Text),
+              Column("actor", String(64), nullable=False),
+              Column("at", Float, nullable=False))
+RESPONSES = Table("responses", META,
+                  Column("id", String(128), primary_key=True),
+                  Column("domain", String(64), nullable=False),
+                  Column("confidence", Float, nullable=False),
+                  Column("created_at", Float, nullable=False))
+FEEDBACK = Table("feedback", META,
+                 Column("response_id", String(128), primary_key=True),
+                 Column("correct", Integer, nullable=False),
+                 Column("at", Float, nullable=False, index=True))
+RISK_FITS = Table("risk_fits", META,
+                  Column("seq", Integer, primary_key=True, autoincrement=True),
+                  Column("domain", String(64), nullable=False),
+                  Column("fit", Text, nullable=False),
+                  Column("at", Float, nullable=False))
+CLIENT_KEYS = Table("client_keys", META,
+                    Column("id", String(32), primary_key=True),
+                    Column("name", String(128), nullable=False),
+                    Column("key_sha256", String(64), nullable=False, unique=True),
+                    Column("domains", Text),
+                    Column("requests_per_minute", Float),
+                    Column("created_at", Float, nullable=False),
+                    Column("revoked_at", Float))
+
+
+def database_url(path_or_url: str | Path) -> str:
+    """A SQLAlchemy URL: PostgreSQL URLs as given (postgresql+psycopg://…), anything else a SQLite file path."""
+    text = str(path_or_url)
+    if "://" in text:
+        return text
+    if text != ":memory:":
+        Path(text).parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{text}"
 
 
 class Store:
-    def __init__(self, path: str | Path):
-        self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._lock = threading.Lock()
-        with self._lock:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(SCHEMA)
+    def __init__(self, path_or_url: str | Path):
+        self.url = database_url(path_or_url)
+        self.sqlite = self.url.startswith("sqlite")
+        if self.sqlite:
+            self.engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 30})
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        # SQLite has one writer: writes are serialised here rather than retried on "database is locked".
+        self._write_lock = threading.Lock() if self.sqlite else _NoLock()
+        META.create_all(self.engine)
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.engine.dispose()
+
+    def _write(self):
+        """A write transaction: BEGIN IMMEDIATE on SQLite (the write lock up front), a plain one on PostgreSQL."""
+        return _WriteTx(self)
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:
-        with self._lock:
-            rows = self._conn.execute("SELECT domain, body, version FROM policies ORDER BY domain").fetchall()
+        with self.engine.connect() as c:
+            rows = c.execute(select(POLICIES.c.domain, POLICIES.c.body, POLICIES.c.version)
+                             .order_by(POLICIES.c.domain)).all()
         return {d: (json.loads(b), v) for d, b, v in rows}
 
     def get_policy(self, domain: str) -> tuple[dict, int] | None:
-        with self._lock:
-            row = self._conn.execute("SELECT body, version FROM policies WHERE domain = ?", (domain,)).fetchone()
+        with self.engine.connect() as c:
+            row = c.execute(select(POLICIES.c.body, POLICIES.c.version).where(POLICIES.c.domain == domain)).first()
         return (json.loads(row[0]), row[1]) if row else None
 
     def put_policy(self, domain: str, body: dict, actor: str, expected_version: int | None = None) -> int:
         """Create or replace; returns the new version. `expected_version` guards against lost updates."""
-        with self._lock, self._conn:
-            self._conn.execute("BEGIN IMMEDIATE")
-            row = self._conn.execute("SELECT body, version FROM policies WHERE domain = ?", (domain,)).fetchone()
-            current = row[1] if row else 0
-            if expected_version is not None and expected_version != current:
-                raise VersionConflict(domain, expected_version, current)
-            version = current + 1
-            text = json.dumps(body, sort_keys=True)
-            self._conn.execute(
-                "INSERT INTO policies(domain, body, version, updated_at) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(domain) DO UPDATE SET body = excluded.body, version = excluded.version, "
-                "updated_at = excluded.updated_at",
-                (domain, text, version, time.time()),
-            )
-            self._audit(domain, version, "update" if row else "create", row[0] if row else None, text, actor)
+        text = json.dumps(body, sort_keys=True)
+        try:
+            with self._write() as c:
+                row = c.execute(select(POLICIES.c.body, POLICIES.c.version).where(POLICIES.c.domain == domain)
+                                .with_for_update()).first()
+                current = row[1] if row else 0
+                if expected_version is not None and expected_version != current:
+                    raise VersionConflict(domain, expected_version, current)
+                version = current + 1
+                values = dict(body=text, version=version, updated_at=time.time())
+                if row:
+                    c.execute(update(POLICIES).where(POLICIES.c.domain == domain).values(**values))
+                else:
+                    c.execute(POLICIES.insert().values(domain=domain, **values))
+                self._audit(c, domain, version, "update" if row else "create", row[0] if row else None, text, actor)
+        except IntegrityError:  # another replica created the same domain's policy first
+            raise VersionConflict(domain, expected_version or 0, (self.get_policy(domain) or ({}, 0))[1]) from None
         return version
 
     def delete_policy(self, domain: str, actor: str) -> bool:
-        with self._lock, self._conn:
-            self._conn.execute("BEGIN IMMEDIATE")
-            row = self._conn.execute("SELECT body, version FROM policies WHERE domain = ?", (domain,)).fetchone()
+        with self._write() as c:
+            row = c.execute(select(POLICIES.c.body, POLICIES.c.version).where(POLICIES.c.domain == domain)
+                            .with_for_update()).first()
             if not row:
-                self._conn.execute("ROLLBACK")
                 return False
-            self._conn.execute("DELETE FROM policies WHERE domain = ?", (domain,))
-            self._audit(domain, row[1] + 1, "delete", row[0], None, actor)
+            c.execute(delete(POLICIES).where(POLICIES.c.domain == domain))
+            self._audit(c, domain, row[1] + 1, "delete", row[0], None, actor)
         return True
 
-    def _audit(self, domain, version, action, before, after, actor) -> None:
-        self._conn.execute(
-            "INSERT INTO policy_audit(domain, version, action, before, after, actor, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (domain, version, action, before, after, actor, time.time()),
-        )
+    @staticmethod
+    def _audit(c, domain, version, action, before, after, actor) -> None:
+        c.execute(AUDIT.insert().values(domain=domain, version=version, action=action, before=before, after=after,
+                                        actor=actor, at=time.time()))
 
     def audit_log(self, domain: str | None = None, limit: int = 100) -> list[dict]:
-        query = "SELECT seq, domain, version, action, before, after, actor, at FROM policy_audit"
-        args: tuple = ()
+        query = select(AUDIT.c.seq, AUDIT.c.domain, AUDIT.c.version, AUDIT.c.action, AUDIT.c.before, AUDIT.c.after,
+                       AUDIT.c.actor, AUDIT.c.at)
         if domain is not None:
-            query += " WHERE domain = ?"
-            args = (domain,)
-        with self._lock:
-            rows = self._conn.execute(query + " ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+            query = query.where(AUDIT.c.domain == domain)
+        with self.engine.connect() as c:
+            rows = c.execute(query.order_by(AUDIT.c.seq.desc()).limit(limit)).all()
         keys = ("seq", "domain", "version", "action", "before", "after", "actor", "at")
         out = []
         for row in rows:
@@ -143,116 +156,164 @@ class Store:
 
     # -- responses and feedback ---------------------------------------------------------------------------------
     def record_response(self, response_id: str, domain: str, confidence: float) -> None:
-        with self._lock:
-            self._conn.execute(
-                "INSERT OR IGNORE INTO responses(id, domain, confidence, created_at) VALUES (?, ?, ?, ?)",
-                (response_id, domain, confidence, time.time()),
-            )
+        self.record_responses([(response_id, domain, confidence)])
 
     def record_responses(self, rows: list[tuple[str, str, float]]) -> None:
-        """Several (id, domain, confidence) in one transaction: the choices of one response."""
+        """Several (id, domain, confidence) in one transaction (the choices of one response); ids already stored are
+        left as they are."""
         at = time.time()
-        with self._lock, self._conn:
-            self._conn.executemany(
-                "INSERT OR IGNORE INTO responses(id, domain, confidence, created_at) VALUES (?, ?, ?, ?)",
-                [(i, d, c, at) for i, d, c in rows])
+        with self._write() as c:
+            known = set(c.execute(select(RESPONSES.c.id).where(RESPONSES.c.id.in_([r[0] for r in rows]))).scalars())
+            fresh = [dict(id=i, domain=d, confidence=conf, created_at=at) for i, d, conf in rows if i not in known]
+            if fresh:
+                c.execute(RESPONSES.insert(), fresh)
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
-        with self._lock:
-            row = self._conn.execute("SELECT domain, confidence FROM responses WHERE id = ?", (response_id,)).fetchone()
+        with self.engine.connect() as c:
+            row = c.execute(select(RESPONSES.c.domain, RESPONSES.c.confidence).where(RESPONSES.c.id == response_id)).first()
         return (row[0], row[1]) if row else None
 
     def add_feedback(self, response_id: str, correct: bool) -> bool | None:
         """Store feedback once. Returns True if stored now, False if the same verdict was already stored, and None
         if a different verdict was stored before (a conflict the caller reports)."""
-        with self._lock, self._conn:
-            self._conn.execute("BEGIN IMMEDIATE")
-            row = self._conn.execute("SELECT correct FROM feedback WHERE response_id = ?", (response_id,)).fetchone()
-            if row is not None:
-                return False if bool(row[0]) == correct else None
-            self._conn.execute(
-                "INSERT INTO feedback(response_id, correct, at) VALUES (?, ?, ?)", (response_id, int(correct), time.time())
-            )
+        try:
+            with self._write() as c:
+                row = c.execute(select(FEEDBACK.c.correct).where(FEEDBACK.c.response_id == response_id)).first()
+                if row is not None:
+                    return False if bool(row[0]) == correct else None
+                c.execute(FEEDBACK.insert().values(response_id=response_id, correct=int(correct), at=time.time()))
+        except IntegrityError:  # the same response's feedback arrived at another replica in between
+            stored = self._feedback_of(response_id)
+            return False if stored == correct else None
         return True
+
+    def _feedback_of(self, response_id: str) -> bool | None:
+        with self.engine.connect() as c:
+            row = c.execute(select(FEEDBACK.c.correct).where(FEEDBACK.c.response_id == response_id)).first()
+        return bool(row[0]) if row else None
+
+    def _labelled(self, domain: str):
+        return (select(RESPONSES.c.confidence, FEEDBACK.c.correct)
+                .join_from(FEEDBACK, RESPONSES, RESPONSES.c.id == FEEDBACK.c.response_id)
+                .where(RESPONSES.c.domain == domain))
+
+    def _pairs(self, query) -> tuple[list[float], list[bool]]:
+        with self.engine.connect() as c:
+            rows = c.execute(query).all()
+        return [r[0] for r in rows], [bool(r[1]) for r in rows]
 
     def labelled_answers(self, domain: str) -> tuple[list[float], list[bool]]:
         """Every answer of the domain that has a verdict: (confidence, correct), oldest first."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT r.confidence, f.correct FROM feedback f JOIN responses r ON r.id = f.response_id "
-                "WHERE r.domain = ? ORDER BY f.at", (domain,)).fetchall()
-        return [r[0] for r in rows], [bool(r[1]) for r in rows]
+        return self._pairs(self._labelled(domain).order_by(FEEDBACK.c.at))
 
     def labelled_domains(self) -> list[str]:
-        with self._lock:
-            rows = self._conn.execute("SELECT DISTINCT r.domain FROM feedback f JOIN responses r ON r.id = f.response_id").fetchall()
+        with self.engine.connect() as c:
+            rows = c.execute(select(RESPONSES.c.domain).distinct()
+                             .join_from(FEEDBACK, RESPONSES, RESPONSES.c.id == FEEDBACK.c.response_id)).all()
         return [r[0] for r in rows]
 
     def feedback_since(self, domain: str, since: float) -> tuple[list[float], list[bool]]:
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT r.confidence, f.correct FROM feedback f JOIN responses r ON r.id = f.response_id "
-                "WHERE r.domain = ? AND f.at > ?", (domain, since)).fetchall()
-        return [r[0] for r in rows], [bool(r[1]) for r in rows]
+        return self._pairs(self._labelled(domain).where(FEEDBACK.c.at > since).order_by(FEEDBACK.c.at))
+
+    def recent_feedback(self, domain: str, limit: int = 500) -> tuple[list[float], list[bool]]:
+        return self._pairs(self._labelled(domain).order_by(FEEDBACK.c.at.desc()).limit(limit))
 
     def record_risk_fit(self, domain: str, fit: dict, policy_version: int, previous: dict | None) -> float:
         """Keep a guaranteed-threshold fit and audit it like a policy change; returns its time."""
         at = time.time()
-        with self._lock, self._conn:
-            self._conn.execute("BEGIN IMMEDIATE")
-            self._conn.execute("INSERT INTO risk_fits(domain, fit, at) VALUES (?, ?, ?)", (domain, json.dumps(fit), at))
-            self._audit(domain, policy_version, "refit", json.dumps(previous) if previous else None, json.dumps(fit),
+        with self._write() as c:
+            c.execute(RISK_FITS.insert().values(domain=domain, fit=json.dumps(fit), at=at))
+            self._audit(c, domain, policy_version, "refit", json.dumps(previous) if previous else None, json.dumps(fit),
                         "risk-control")
         return at
 
     def latest_risk_fits(self) -> dict[str, tuple[dict, float]]:
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT domain, fit, at FROM risk_fits WHERE seq IN (SELECT MAX(seq) FROM risk_fits GROUP BY domain)"
-            ).fetchall()
+        latest = select(func.max(RISK_FITS.c.seq)).group_by(RISK_FITS.c.domain)
+        with self.engine.connect() as c:
+            rows = c.execute(select(RISK_FITS.c.domain, RISK_FITS.c.fit, RISK_FITS.c.at)
+                             .where(RISK_FITS.c.seq.in_(latest))).all()
         return {d: (json.loads(f), at) for d, f, at in rows}
-
-    def recent_feedback(self, domain: str, limit: int = 500) -> tuple[list[float], list[bool]]:
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT r.confidence, f.correct FROM feedback f JOIN responses r ON r.id = f.response_id "
-                "WHERE r.domain = ? ORDER BY f.at DESC LIMIT ?",
-                (domain, limit),
-            ).fetchall()
-        return [r[0] for r in rows], [bool(r[1]) for r in rows]
-
 
     # -- client keys (hashes only; the key itself is shown once, at creation) ------------------------------------
     def add_client_key(self, key_id: str, name: str, key_sha256: str, domains: list[str] | None,
                        requests_per_minute: float | None) -> float:
         at = time.time()
-        with self._lock, self._conn:
-            self._conn.execute(
-                "INSERT INTO client_keys(id, name, key_sha256, domains, requests_per_minute, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (key_id, name, key_sha256, json.dumps(domains) if domains is not None else None, requests_per_minute, at))
-            self._audit(f"key:{key_id}", 1, "create", None, json.dumps({"name": name, "domains": domains,
-                                                                         "requests_per_minute": requests_per_minute}),
-                        "admin")
+        with self._write() as c:
+            c.execute(CLIENT_KEYS.insert().values(
+                id=key_id, name=name, key_sha256=key_sha256, domains=json.dumps(domains) if domains is not None else None,
+                requests_per_minute=requests_per_minute, created_at=at))
+            self._audit(c, f"key:{key_id}", 1, "create", None,
+                        json.dumps({"name": name, "domains": domains, "requests_per_minute": requests_per_minute}), "admin")
         return at
 
     def revoke_client_key(self, key_id: str) -> bool:
-        with self._lock, self._conn:
-            cur = self._conn.execute("UPDATE client_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
-                                     (time.time(), key_id))
-            if cur.rowcount:
-                self._audit(f"key:{key_id}", 2, "revoke", None, None, "admin")
-        return bool(cur.rowcount)
+        with self._write() as c:
+            done = c.execute(update(CLIENT_KEYS).where(CLIENT_KEYS.c.id == key_id, CLIENT_KEYS.c.revoked_at.is_(None))
+                             .values(revoked_at=time.time())).rowcount
+            if done:
+                self._audit(c, f"key:{key_id}", 2, "revoke", None, None, "admin")
+        return bool(done)
 
     def client_keys(self) -> list[tuple[ClientKey, str]]:
-        with self._lock:
-            rows = self._conn.execute("SELECT id, name, domains, requests_per_minute, created_at, revoked_at, key_sha256 "
-                                      "FROM client_keys ORDER BY created_at").fetchall()
+        k = CLIENT_KEYS.c
+        with self.engine.connect() as c:
+            rows = c.execute(select(k.id, k.name, k.domains, k.requests_per_minute, k.created_at, k.revoked_at,
+                                    k.key_sha256).order_by(k.created_at)).all()
         return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5]), r[6]) for r in rows]
 
     def active_client_keys(self) -> dict[str, ClientKey]:
         """key hash -> ClientKey, revoked keys left out."""
         return {digest: key for key, digest in self.client_keys() if key.revoked_at is None}
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL: readers never wait for the writer; autocommit at the driver so BEGIN IMMEDIATE below is ours to issue.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _WriteTx:
+    """`with store._write() as conn:` one write transaction, committed on success and rolled back on any error."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def __enter__(self):
+        self.store._write_lock.__enter__()
+        try:
+            self.conn = self.store.engine.connect()
+            if self.store.sqlite:
+                self.conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                self.conn.begin()
+        except BaseException:
+            self.store._write_lock.__exit__(None, None, None)
+            raise
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if self.store.sqlite:
+                self.conn.exec_driver_sql("ROLLBACK" if exc_type else "COMMIT")
+            elif exc_type:
+                self.conn.rollback()
+            else:
+                self.conn.commit()
+        finally:
+            self.conn.close()
+            self.store._write_lock.__exit__(None, None, None)
+        return False
 
 
 class VersionConflict(Exception):

@@ -15,5 +15,14 @@ if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus >/dev/null; }
 fi
 
+# The store tests run the same cases on SQLite and on a real PostgreSQL server: Debian's package (tests/postgres.py
+# starts a throwaway cluster on loopback).
+if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing Debian's postgresql package for the store tests"
+  $SUDO apt-get install -y -qq postgresql >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq postgresql >/dev/null; }
+fi
+
 "$VENV/bin/calm" model prepare
 exec "$VENV/bin/pytest" -q "$@"

@@ -31,8 +31,9 @@ def make_app(tmp_path, **settings):
                                                 has_adapter=False, artifact_version="test-v1", free_form_version=None)
     artifact = LoadedArtifact.__new__(LoadedArtifact)
     object.__setattr__(artifact, "manifest", manifest)
-    return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m", domains=["science", "medicine"],
-                                      **settings), QuietEngine(), _tiny_tokenizer(), artifact)
+    settings.setdefault("db_path", tmp_path / "g.db")
+    return create_app(GatewaySettings(served_model_name="m", domains=["science", "medicine"], **settings), QuietEngine(),
+                      _tiny_tokenizer(), artifact)
 
 
 def ask(http: TestClient, key: str, domain: str = "science"):

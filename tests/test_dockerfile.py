@@ -63,3 +63,16 @@ def test_compose_prometheus_config_is_valid():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compose = (REPO / "docker-compose.yml").read_text()
     assert "target: cpu" in compose and "./deploy/prometheus:/etc/prometheus" in compose
+
+
+def test_compose_wires_the_gateway_to_its_postgresql_service():
+    import yaml
+    from sqlalchemy.engine import make_url
+
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    gateway = compose["services"]["gateway"]
+    url = make_url(gateway["environment"]["CALM_DB_URL"].replace("${CALM_DB_PASSWORD:-calm}", "calm"))
+    assert url.drivername == "postgresql+psycopg" and url.host in compose["services"]
+    db = compose["services"][url.host]
+    assert db["environment"]["POSTGRES_DB"] == url.database and db["environment"]["POSTGRES_USER"] == url.username
+    assert gateway["depends_on"][url.host] == {"condition": "service_healthy"} and "healthcheck" in db

@@ -11,7 +11,6 @@ from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_
 from calm_core.scoring import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
 from gateway.policies import Action, Policy, resolve, threshold_for_risk
-from gateway.store import Store, VersionConflict
 
 
 def test_option_distribution_renormalises_over_options():
@@ -153,33 +152,6 @@ def test_policy_rules():
 )
 def test_detect_option_letters(text, letters):
     assert detect_option_letters(text) == letters
-
-
-def test_store_policies_are_versioned_audited_and_durable(tmp_path):
-    db = tmp_path / "g.sqlite3"
-    store = Store(db)
-    assert store.put_policy("medicine", {"threshold": 0.5}, "admin") == 1
-    assert store.put_policy("medicine", {"threshold": 0.7}, "admin", expected_version=1) == 2
-    with pytest.raises(VersionConflict):
-        store.put_policy("medicine", {"threshold": 0.9}, "admin", expected_version=1)
-    assert store.delete_policy("medicine", "admin")
-    assert not store.delete_policy("medicine", "admin")
-    store.put_policy("default", {"threshold": 0.1}, "admin")
-    store.close()
-    reopened = Store(db)
-    assert reopened.get_policy("default") == ({"threshold": 0.1}, 1)
-    log = reopened.audit_log("medicine")
-    assert [e["action"] for e in log] == ["delete", "update", "create"]
-    assert log[1]["before"] == {"threshold": 0.5} and log[1]["after"] == {"threshold": 0.7}
-
-
-def test_store_feedback_is_idempotent(tmp_path):
-    store = Store(tmp_path / "g.sqlite3")
-    store.record_response("r1", "science", 0.8)
-    assert store.add_feedback("r1", True) is True
-    assert store.add_feedback("r1", True) is False
-    assert store.add_feedback("r1", False) is None
-    assert store.recent_feedback("science") == ([0.8], [True])
 
 
 def test_logprobs_follow_vllms_wire_rules():

@@ -1,0 +1,127 @@
+"""The gateway's store on both backends through the same data layer: SQLite (the default) and a real PostgreSQL
+server (Debian's, started for these tests). Two Store objects on one database stand for two gateway replicas."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gateway.store import Store, VersionConflict
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    from tests.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    """A fresh database of each backend: a SQLite file, or a clean PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "g.sqlite3")
+        return
+    url = request.getfixturevalue("postgres_url")
+    from gateway.store import META
+
+    store = Store(url)
+    META.drop_all(store.engine)
+    store.close()
+    yield url
+
+
+def test_policies_are_versioned_audited_and_durable(database):
+    store = Store(database)
+    assert store.put_policy("medicine", {"threshold": 0.5}, "admin") == 1
+    assert store.put_policy("medicine", {"threshold": 0.7}, "admin", expected_version=1) == 2
+    with pytest.raises(VersionConflict):
+        store.put_policy("medicine", {"threshold": 0.9}, "admin", expected_version=1)
+    assert store.delete_policy("medicine", "admin")
+    assert not store.delete_policy("medicine", "admin")
+    store.put_policy("default", {"threshold": 0.1}, "admin")
+    store.close()
+    reopened = Store(database)
+    assert reopened.get_policy("default") == ({"threshold": 0.1}, 1)
+    assert reopened.list_policies() == {"default": ({"threshold": 0.1}, 1)}
+    log = reopened.audit_log("medicine")
+    assert [e["action"] for e in log] == ["delete", "update", "create"]
+    assert log[1]["before"] == {"threshold": 0.5} and log[1]["after"] == {"threshold": 0.7}
+
+
+def test_feedback_is_idempotent_and_labels_come_back_in_order(database):
+    store = Store(database)
+    store.record_responses([("r1", "science", 0.8), ("r1#1", "science", 0.6), ("r2", "medicine", 0.3)])
+    store.record_response("r1", "science", 0.1)  # an id already stored keeps its first record
+    assert store.get_response("r1") == ("science", 0.8) and store.get_response("nope") is None
+    assert store.add_feedback("r1", True) is True
+    assert store.add_feedback("r1", True) is False
+    assert store.add_feedback("r1", False) is None
+    assert store.add_feedback("r1#1", False) is True
+    assert store.recent_feedback("science") == ([0.6, 0.8], [False, True])
+    assert store.labelled_answers("science") == ([0.8, 0.6], [True, False])
+    assert store.labelled_domains() == ["science"]
+    assert store.feedback_since("science", 0.0) == ([0.8, 0.6], [True, False])
+    assert store.feedback_since("science", 2e9) == ([], [])
+    at = store.record_risk_fit("science", {"threshold": 0.5}, 1, None)
+    store.record_risk_fit("science", {"threshold": 0.4}, 1, {"threshold": 0.5})
+    assert store.latest_risk_fits()["science"][0] == {"threshold": 0.4} and at > 0
+    assert [e["action"] for e in store.audit_log("science")] == ["refit", "refit"]
+
+
+def test_client_keys_are_stored_hashed_and_revocable(database):
+    store = Store(database)
+    store.add_client_key("k1", "team", "h" * 64, ["science"], 60.0)
+    store.add_client_key("k2", "other", "g" * 64, None, None)
+    assert set(store.active_client_keys()) == {"h" * 64, "g" * 64}
+    assert store.active_client_keys()["h" * 64].domains == ("science",)
+    assert store.revoke_client_key("k1") and not store.revoke_client_key("k1")
+    assert set(store.active_client_keys()) == {"g" * 64}
+
+
+def test_two_replicas_share_writes_and_concurrent_policy_writers_never_lose_an_update(database):
+    a, b = Store(database), Store(database)
+    a.put_policy("science", {"threshold": 0.5}, "admin")
+    assert b.get_policy("science") == ({"threshold": 0.5}, 1)
+    # Eight writers, all expecting version 1: exactly one wins, the others get a conflict.
+    results: list[object] = []
+
+    def write(i: int):
+        store = (a, b)[i % 2]
+        try:
+            results.append(store.put_policy("science", {"threshold": 0.6 + i / 100}, f"w{i}", expected_version=1))
+        except VersionConflict:
+            results.append("conflict")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count(2) == 1 and results.count("conflict") == 7
+    assert a.get_policy("science")[1] == 2 and len(a.audit_log("science")) == 2
+    # Feedback arriving at both replicas for the same response: stored once.
+    a.record_response("r", "science", 0.9)
+    assert sorted(map(str, (a.add_feedback("r", True), b.add_feedback("r", True)))) == ["False", "True"]
+
+
+def test_a_policy_changed_through_one_gateway_is_in_force_in_the_other(database, tmp_path):
+    """Two gateway apps on one database: a PUT through the first is what the second applies, within the policy
+    cache's refresh interval (here set to 0 s)."""
+    from fastapi.testclient import TestClient
+
+    from tests.test_client_keys import make_app
+
+    key = "db_url" if "://" in database else "db_path"
+    apps = [make_app(tmp_path / str(i), **{key: database}) for i in range(2)]
+    for app in apps:
+        app.state.service.policies.max_age_s = 0.0
+    admin = {"Authorization": "Bearer dev-admin-key"}
+    body = {"model": "m", "max_tokens": 2, "metadata": {"domain": "science"}, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
+        assert second.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]["policy"] == "builtin"
+        assert first.put("/admin/policies/science", json={"threshold": 0.99, "action": "abstain"}, headers=admin).status_code == 200
+        cal = second.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]
+        assert cal["policy"] == "science:v1" and cal["abstained"]
