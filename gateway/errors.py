@@ -16,6 +16,7 @@ from http import HTTPStatus
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adapters.engine import EngineRejected, EngineUnavailable
@@ -55,6 +56,11 @@ def classify(exc: BaseException) -> ErrorClass:
         return ErrorClass(400, "invalid_request_error", str(exc))
     if isinstance(exc, EngineUnavailable):
         return ErrorClass(503, "service_unavailable_error", f"model engine unavailable: {exc}", retry_after_s=5)
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        # The database is down, locked past its timeout, or out of disk: nothing was stored by this request (its
+        # transaction rolled back), and the caller may retry.
+        return ErrorClass(503, "service_unavailable_error", "storage unavailable; nothing was stored, retry shortly",
+                          code="storage_unavailable", retry_after_s=5)
     return ErrorClass(500, "internal_server_error", "internal error; it has been logged", unexpected=True)
 
 
@@ -111,7 +117,7 @@ def install_error_handlers(app: FastAPI) -> None:
             log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
 
-    for kind in (APIError, EngineRejected, EngineUnavailable, Exception):
+    for kind in (APIError, EngineRejected, EngineUnavailable, OperationalError, InterfaceError, Exception):
         app.add_exception_handler(kind, _classified)
 
     @app.exception_handler(RequestValidationError)

@@ -125,3 +125,31 @@ def test_a_policy_changed_through_one_gateway_is_in_force_in_the_other(database,
         assert first.put("/admin/policies/science", json={"threshold": 0.99, "action": "abstain"}, headers=admin).status_code == 200
         cal = second.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]
         assert cal["policy"] == "science:v1" and cal["abstained"]
+
+
+def test_a_failing_database_answers_503_and_keeps_what_was_stored(tmp_path):
+    """The database fails (locked past its timeout, disk full, server gone): requests that write get a clear 503 in
+    the OpenAI error shape, not a 500, and what was stored before is intact once it recovers."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy.exc import OperationalError
+
+    from tests.test_client_keys import make_app
+
+    app = make_app(tmp_path)
+    store = app.state.service.store
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    with TestClient(app) as http:
+        first = http.post("/v1/chat/completions", json=body).json()["id"]
+        assert http.post("/v1/feedback", json={"response_id": first, "correct": True}).status_code == 200
+        healthy = store.record_responses
+
+        def full(*args, **kwargs):
+            raise OperationalError("INSERT", {}, Exception("database or disk is full"))
+
+        store.record_responses = full
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable"
+        assert r.headers["Retry-After"] == "5" and "Traceback" not in r.text
+        store.record_responses = healthy
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert store.get_response(first) is not None and store.recent_feedback("other") == ([store.get_response(first)[1]], [True])
