@@ -7,9 +7,11 @@ import hmac
 import re
 import time
 from contextlib import asynccontextmanager
+from typing import Annotated
 from http import HTTPStatus
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Path as FastAPIPath
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
@@ -30,12 +32,70 @@ from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
 DOMAIN_HEADER = "x-calm-domain"
-_DOMAIN_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+DOMAIN_PATTERN = r"^[a-z0-9][a-z0-9_\-]{0,63}$"
+_DOMAIN_NAME = re.compile(DOMAIN_PATTERN)
+# A domain in a path: the rule is in the OpenAPI schema, so a schema-valid name is never refused.
+DomainPath = Annotated[str, FastAPIPath(pattern=DOMAIN_PATTERN, description="lower-case letters, digits, '_' or '-'")]
 
 
 def documented(*statuses: int) -> dict:
     """OpenAPI entries for the error statuses a route answers, all in the OpenAI error shape."""
     return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+def contract(app: FastAPI, settings: GatewaySettings) -> dict:
+    """The OpenAPI document as the gateway behaves: invalid requests are 400s in the OpenAI error shape (FastAPI would
+    document 422s), the policy body a PUT reads itself is declared, limits set at run time are in it (max_tokens),
+    and optional headers are strings (a header cannot be null)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    bad_request = {"description": "Bad Request",
+                   "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", bad_request)
+            for param in operation.get("parameters", []):
+                branches = param.get("schema", {}).get("anyOf")
+                if param.get("in") == "header" and branches:
+                    kept = [b for b in branches if b.get("type") != "null"]
+                    if len(kept) == 1:
+                        param["schema"] = {**kept[0], "title": param["schema"].get("title", param["name"])}
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in ("ChatCompletionRequest", "CompletionRequest"):
+        for name in ("max_tokens", "max_completion_tokens"):
+            field = components.get(model, {}).get("properties", {}).get(name)
+            if field is not None:
+                for branch in field.get("anyOf", [field]):
+                    if branch.get("type") == "integer":
+                        branch["le"] = settings.max_tokens_limit
+    components.setdefault("ErrorResponse", ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}"))
+    policy = Policy.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(policy.pop("$defs", {}))
+    components["Policy"] = policy
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
+    app.openapi_schema = _standard_bounds(schema)
+    return app.openapi_schema
+
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(node):
+    """Integer fields that also take integral floats (12.0) carry pydantic's bound names in their schema; JSON Schema
+    spells them minimum / maximum."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node = {_BOUNDS.get(k, k): v for k, v in node.items()}
+        return {k: _standard_bounds(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_standard_bounds(v) for v in node]
+    return node
 
 
 def create_app(
@@ -61,6 +121,7 @@ def create_app(
             store.close()
 
     app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)
+    app.openapi = lambda: contract(app, settings)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     in_flight = InFlight(settings.max_in_flight)
@@ -147,7 +208,9 @@ def create_app(
         return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version,
                 "scoring": service.scoring_paths(), "engine": engine.describe()}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
     async def prometheus_metrics():
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -189,15 +252,17 @@ def create_app(
         return {"data": [policy_out(d, b, v) for d, (b, v) in store.list_policies().items()]}
 
     @app.get("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
-    async def get_policy(domain: str, _: str = Depends(admin)) -> PolicyOut:
+    async def get_policy(domain: DomainPath, _: str = Depends(admin)) -> PolicyOut:
         found = store.get_policy(checked_domain(domain))
         if found is None:
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
         return policy_out(domain, *found)
 
-    @app.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 409))
-    async def put_policy(domain: str, request: Request, actor: str = Depends(admin),
-                         if_match: str | None = Header(default=None)) -> PolicyOut:
+    @app.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 409),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/Policy"}}}}})
+    async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(admin),
+                         if_match: str | None = Header(default=None, pattern=r'^"?[0-9]+"?$')) -> PolicyOut:
         checked_domain(domain)
         try:
             policy = Policy.model_validate_json(await request.body())
@@ -219,18 +284,19 @@ def create_app(
         return policy_out(domain, policy.model_dump(mode="json"), version)
 
     @app.delete("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
-    async def delete_policy(domain: str, actor: str = Depends(admin)):
+    async def delete_policy(domain: DomainPath, actor: str = Depends(admin)):
         if not store.delete_policy(checked_domain(domain), actor):
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
         service.policies.refresh()
         service.guarantees.on_policy_change()
         return {"domain": domain, "deleted": True}
 
-    @app.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 503))
-    async def upload_labels(domain: str, upload: LabelUpload, _: str = Depends(admin)) -> LabelUploadResult:
+    @app.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 404, 503))
+    async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depends(admin)) -> LabelUploadResult:
         domain = checked_domain(domain)
         if domain == DEFAULT_DOMAIN or monitor.label(domain) != domain:
-            raise APIError(400, f"labels belong to a known serving domain, not {domain!r}", param="domain")
+            raise APIError(404, f"labels belong to a known serving domain; {domain!r} is not one", "not_found_error",
+                           param="domain")
         verdicts = await service.score_labelled(domain, upload.questions)
         return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                                  labels=len(store.labelled_answers(domain)[0]))
@@ -259,8 +325,14 @@ def create_app(
         keyring.refresh()
         return {"id": key_id, "revoked": True}
 
-    @app.get("/admin/audit", responses=documented(401, 403))
-    async def audit(domain: str | None = None, limit: int = 100, _: str = Depends(admin)):
-        return {"data": store.audit_log(domain, max(1, min(limit, 1000)))}
+    @app.get("/admin/audit", responses=documented(400, 401, 403))
+    async def audit(request: Request, domain: Annotated[str | None, Query(max_length=80)] = None,
+                    limit: Annotated[int, Query(ge=1, le=1000)] = 100, _: str = Depends(admin)):
+        for name in ("domain", "limit"):  # one value each; a query string cannot make "0.0" or "true" an integer
+            values = request.query_params.getlist(name)
+            if len(values) > 1 or (name == "limit" and values and not values[0].isdigit()):
+                raise APIError(400, f"{name} must be given once" + (", as a whole number" if name == "limit" else ""),
+                               param=name)
+        return {"data": store.audit_log(domain, limit)}
 
     return app

@@ -110,6 +110,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    path = request.url.path
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(path):
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def _classified(request: Request, exc: Exception):
         error = classify(exc)
@@ -129,5 +139,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "error"
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        # The framework's headers travel with the error: a 405 names the allowed methods in `Allow`.
-        return error_response(exc.status_code, str(exc.detail or phrase), kind, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # `Allow` names every method of the path (the framework lists one route's only)
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error_response(exc.status_code, str(exc.detail or phrase), kind, headers=headers)

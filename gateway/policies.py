@@ -14,7 +14,9 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, model_validator
+
+from gateway.protocol import StrictInt
 
 from calm_core.risk_control import RiskFit, label_free_threshold
 
@@ -32,17 +34,22 @@ class Fallback(str, Enum):
 
 
 class Policy(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # The cross-field rules of `_one_rule`, also in the JSON schema (so a schema-valid policy is never refused).
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["threshold"], "properties": {"threshold": {"type": "number"}, "target_risk": {"type": "null"},
+                                                   "delta": {"type": "null"}}},
+        {"required": ["target_risk"], "properties": {"target_risk": {"type": "number"}, "threshold": {"type": "null"}}},
+    ]})
 
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    target_risk: float | None = Field(default=None, gt=0.0, lt=1.0)
-    delta: float | None = Field(default=None, gt=0.0, lt=1.0)  # with target_risk: a guarantee from labels
-    min_labels: int = Field(default=300, ge=10, le=1_000_000)
+    threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    target_risk: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)
+    delta: StrictFloat | None = Field(default=None, gt=0.0, lt=1.0)  # with target_risk: a guarantee from labels
+    min_labels: StrictInt = Field(default=300, ge=10, le=1_000_000)
     fallback: Fallback = Fallback.LABEL_FREE
     action: Action = Action.ANNOTATE
-    message: str = Field(default="I'm not confident enough to answer this.", max_length=2000)
+    message: StrictStr = Field(default="I'm not confident enough to answer this.", max_length=2000)
     confidence: Literal["token", "semantic"] = "token"  # free-form estimator for the domain (a request overrides)
-    samples: int = Field(default=8, ge=2, le=32)  # semantic: answers sampled per request
+    samples: StrictInt = Field(default=8, ge=2, le=32)  # semantic: answers sampled per request
 
     @model_validator(mode="after")
     def _one_rule(self):

@@ -12,8 +12,10 @@ from typing import Literal
 from typing import Annotated
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints, field_validator, model_validator,
+    BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, field_validator,
+    model_validator,
 )
+from pydantic import StrictInt as _StrictInt
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 
@@ -21,6 +23,15 @@ MAX_CHOICES = 16  # n; each choice is a full generation
 MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
 MAX_STOP = 4
 MAX_SAMPLES = 32  # semantic confidence: answers sampled in one engine call
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# JSON Schema counts 12.0 as an integer; so does the gateway (anything else non-integral is refused, as strict ints).
+StrictInt = Annotated[_StrictInt, BeforeValidator(_integral)]  # noqa: F811
+NONBLANK = r"\S"  # a string with some non-whitespace character (the schema form of `text.strip() != ""`)
 
 
 class OpenAIModel(BaseModel):
@@ -32,7 +43,7 @@ class OpenAIModel(BaseModel):
 class CalmOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    threshold: float | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
+    threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
     domain: StrictStr | None = None
     raw_confidence: StrictBool | None = None  # multiple choice: also score with the raw model (one more engine row)
     confidence: Literal["token", "semantic"] | None = None  # free form; default: the domain's policy, else token
@@ -67,6 +78,11 @@ class JsonSchemaFormat(OpenAIModel):
 
 
 class ResponseFormat(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"if": {"properties": {"type": {"const": "json_schema"}}},
+                                                                 "then": {"required": ["json_schema"], "properties": {
+                                                                     "json_schema": {"type": "object", "required": ["schema"],
+                                                                                     "properties": {"schema": {"type": "object"}}}}}})
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -79,18 +95,19 @@ class ResponseFormat(OpenAIModel):
 
 class SamplingFields(OpenAIModel):
     model: StrictStr
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM: 0 or -1 = off
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
-    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None = None
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")], Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = Field(
+        default=None, json_schema_extra={"propertyNames": {"pattern": r"^[0-9]{1,9}$"}})
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=MAX_STOP)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None  # an end-user id, as OpenAI takes it; not used for the answer
@@ -119,8 +136,36 @@ class SamplingFields(OpenAIModel):
         return named
 
 
+_OFF = lambda *values: {"anyOf": [{"type": "null"}, *({"const": v} for v in values)]}  # noqa: E731
+# The request-level rules the schema can state: stream_options needs stream; options (multiple choice) take no
+# token-sampling parameter but their "off" values (temperature and seed apply: the option is drawn).
+REQUEST_RULES = [
+    {"if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
+    {"if": {"required": ["options"], "properties": {"options": {"type": "array"}}},
+     "then": {"properties": {
+         "top_p": _OFF(1.0), "top_k": _OFF(0, -1), "min_p": _OFF(0.0), "presence_penalty": _OFF(0.0),
+         "frequency_penalty": _OFF(0.0), "repetition_penalty": _OFF(1.0),
+         "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
+         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}},
+]
+
+_USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"const": "user"},
+    "content": {"anyOf": [{"type": "string", "pattern": NONBLANK},
+                          {"type": "array", "contains": {"type": "object", "required": ["type", "text"],
+                                                         "properties": {"text": {"type": "string", "pattern": NONBLANK}}}}]}}}
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Cross-field rules, also in the schema: top_logprobs > 0 needs logprobs; stream_options needs stream.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+         "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+        *REQUEST_RULES,
+    ]})
+
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": _USER_TEXT})
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
@@ -141,7 +186,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | list[StrictStr]
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": REQUEST_RULES})
+
+    prompt: Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)] | Annotated[
+        list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]], Field(min_length=1, max_length=1)]
     max_tokens: StrictInt = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
@@ -282,7 +330,10 @@ class FeedbackResponse(BaseModel):
 
 
 class LabelledQuestion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # `answer` indexes `options`: the schema says so per option count (JSON Schema cannot compare a number with a length).
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        {"if": {"properties": {"options": {"maxItems": k}}}, "then": {"properties": {"answer": {"maximum": k - 1}}}}
+        for k in range(MIN_OPTIONS, MAX_OPTIONS + 1)]})
 
     question: StrictStr = Field(min_length=1)
     options: list[StrictStr] = Field(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
@@ -325,8 +376,9 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: StrictStr = Field(min_length=1, max_length=128)
-    domains: list[StrictStr] | None = Field(default=None, min_length=1)
-    requests_per_minute: float | None = Field(default=None, gt=0, le=1_000_000)
+    domains: list[Annotated[str, StringConstraints(strict=True, pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$")]] | None = Field(
+        default=None, min_length=1)
+    requests_per_minute: StrictFloat | None = Field(default=None, gt=0, le=1_000_000)
 
 
 class KeyOut(BaseModel):
