@@ -48,7 +48,8 @@ ROWS = ("uncalibrated", "sft", "sft+temperature", "sft+daca", "label_smoothing",
 METRICS = ("accuracy", "mean_confidence", "ece_10", "sem_accuracy", "sem_mean_confidence", "sem_ece_10", "brier",
            "auroc", "aurc")
 ROLES = (("test_in_domain", "in_domain"), ("test_out_of_domain", "out_of_domain"))
-POSTHOC_QUESTIONS = 300  # calibration questions the post-hoc temperatures are fitted on
+POSTHOC_QUESTIONS = 300  # calibration questions temperature scaling is fitted on (gold answers: a few tokens each)
+DACA_QUESTIONS = 64  # DACA's: each brings up to 32 greedy-answer positions of full-vocabulary logits (~0.2 MB each)
 
 
 def _test_questions(trainer: Trainer, limit: int | None = None) -> dict[str, list]:
@@ -97,9 +98,9 @@ def posthoc_temperatures(trainer: Trainer) -> dict[str, float]:
     targets = torch.cat([q.targets for q in items])
     temperature = fit_token_temperature(z, targets)
     # DACA at the initial model's greedy-answer positions (the calibration items the upper level uses).
-    z_sft, _ = position_logits(trainer.model, calib.items[:POSTHOC_QUESTIONS], trainer.first_trained, trainer.device)
+    z_sft, _ = position_logits(trainer.model, calib.items[:DACA_QUESTIONS], trainer.first_trained, trainer.device)
     with trainer.model.disable_adapter():
-        z_ref, _ = position_logits(trainer.model, calib.items[:POSTHOC_QUESTIONS], trainer.first_trained, trainer.device)
+        z_ref, _ = position_logits(trainer.model, calib.items[:DACA_QUESTIONS], trainer.first_trained, trainer.device)
     daca = fit_daca_temperature(z_ref, z_sft)
     return {"sft+temperature": temperature, "sft+daca": daca}
 
@@ -215,16 +216,19 @@ def markdown(summary: dict) -> str:
              f"batch {cfg['batch_size']}, LoRA r={cfg['lora_rank']} on the top {cfg['lora_top_layers']} layers, "
              f"semantic confidence from {summary['samples']} samples", "",
              "Token confidence: exp(mean calibrated log-prob) of the greedy answer; Sem-: the semantic answer and its "
-             "cluster's share. ECE with 10 bins; Brier, AUROC and AURC of the token confidence. Mean ± std over seeds.", ""]
+             "cluster's share. ECE with 10 bins; Brier, AUROC and AURC of the token confidence. Mean ± std over seeds; "
+             f"{summary.get('questions_per_role') or 200} test questions per role; n/a: AUROC of a set with no right answer.", ""]
+    cell = lambda v: "n/a" if v["mean"] != v["mean"] else f"{v['mean']:.3f} ± {v['std']:.3f}"  # noqa: E731  (NaN: AUROC of an all-wrong set)
     for direction, rows in summary["table"].items():
+        if not rows:
+            continue
         for _, name in ROLES:
             lines += [f"## {direction}: {name.replace('_', '-')}", "",
                       "| method | " + " | ".join(METRICS) + " |", "|---|" + "---|" * len(METRICS)]
             for row in ROWS:
                 if row not in rows or name not in rows[row]:
                     continue
-                cells = [f"{rows[row][name][m]['mean']:.3f} ± {rows[row][name][m]['std']:.3f}" if m in rows[row][name]
-                         else "–" for m in METRICS]
+                cells = [cell(rows[row][name][m]) if m in rows[row][name] else "–" for m in METRICS]
                 lines.append(f"| {row} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
