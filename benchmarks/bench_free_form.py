@@ -60,7 +60,7 @@ def main() -> None:
     lines = ["| free-form confidence | p50 ms | mean ms | p50 vs token |", "|---|---|---|---|"]
     lines += [f"| {m} | {r['p50_ms']:.0f} | {r['mean_ms']:.0f} | {r['ratio_p50']:.2f} |" for m, r in rows.items()]
     lines.append(f"\n{len(questions)} TriviaQA questions, concurrency 1, max 24 tokens, raw pass off, shipped gateway "
-                 "(free form on the base weights).")
+                 "(free form through the shipped artifact's free-form mode).")
     (args.out / "free_form.json").write_text(json.dumps({"questions": len(questions), "modes": rows}, indent=2))
     (args.out / "free_form.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
