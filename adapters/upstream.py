@@ -8,6 +8,7 @@ Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are k
 from __future__ import annotations
 
 import itertools
+import time
 import json
 from collections.abc import AsyncIterator
 
@@ -74,6 +75,13 @@ def _deltas(chunk: dict) -> list[EngineDelta]:
     return deltas
 
 
+DOWN_S = 10.0  # an upstream that failed is tried last for this long
+
+
+class _UpstreamDown(Exception):
+    """This upstream cannot serve now: try the next one."""
+
+
 class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
                  timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
@@ -88,17 +96,43 @@ class UpstreamVLLMEngine:
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
+        self._down_until: dict[str, float] = {}  # upstream -> monotonic time until which it is tried last
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client: httpx.AsyncClient | None = None
 
-    async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits)
+    async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, transport=transport)
+
+    def _order(self) -> list[str]:
+        """Upstreams to try, round-robin from the next one, those marked down (recent failures) last."""
+        start = next(self._next)
+        ring = self.urls[start:] + self.urls[:start]
+        now = time.monotonic()
+        return [u for u in ring if self._down_until.get(u, 0) <= now] + [u for u in ring if self._down_until.get(u, 0) > now]
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        """Fail over: an upstream that cannot be reached, times out before answering or answers 5xx is marked down
+        for DOWN_S and the next one is asked; once output has been streamed, a failure is the request's (503)."""
         if self._client is None:
             raise EngineUnavailable("upstream client not started")
-        url = self.urls[next(self._next)]
+        failures = []
+        for url in self._order():
+            started = False
+            try:
+                async for delta in self._stream_from(url, request):
+                    started = True
+                    yield delta
+                self._down_until.pop(url, None)
+                return
+            except _UpstreamDown as e:
+                if started:
+                    raise EngineUnavailable(str(e)) from None
+                self._down_until[url] = time.monotonic() + DOWN_S
+                failures.append(str(e))
+        raise EngineUnavailable("; ".join(failures) or "no upstream")
+
+    async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         try:
             model = self.adapter_name if request.adapter and self.adapter_name else self.model_name
             async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(model, request)) as resp:
@@ -106,7 +140,7 @@ class UpstreamVLLMEngine:
                     body = json.loads(await resp.aread() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
                 if resp.status_code != 200:
-                    raise EngineUnavailable(f"upstream {url} answered HTTP {resp.status_code}")
+                    raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status_code}")
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -119,9 +153,9 @@ class UpstreamVLLMEngine:
                     for delta in _deltas(chunk):
                         yield delta
         except httpx.TimeoutException:
-            raise EngineUnavailable(f"upstream {url} timed out") from None
+            raise _UpstreamDown(f"upstream {url} timed out") from None
         except httpx.TransportError as e:
-            raise EngineUnavailable(f"upstream {url} unreachable ({type(e).__name__})") from None
+            raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})") from None
 
     def describe(self) -> dict:
         return {"kind": "upstream", "urls": self.urls, "adapter": "lora" if self.adapter_name else None}

@@ -1,5 +1,5 @@
-"""The upstream adapter: a gateway in front of a separate vLLM OpenAI server started by `calm engine`, and a dead
-upstream answering 503 quickly."""
+"""The upstream adapter: a gateway in front of a separate vLLM OpenAI server started by `calm engine` (with a dead
+upstream listed first: requests fail over to the live one), and only dead upstreams answering 503 quickly."""
 
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
     raw = cloze_option_probs(model, tokenizer, question, QUESTION["options"])
     engine_port, gw_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{engine_url}"]', "CALM_DB_PATH": str(tmp_path / "g.db"),
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    dead = f"http://127.0.0.1:{free_port()}"  # listed first: every request that lands on it fails over to the live one
+    env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}", "{engine_url}"]',
+           "CALM_DB_PATH": str(tmp_path / "g.db"), "VLLM_CPU_KVCACHE_SPACE": "1"}
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log", timeout=300), \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
         base = f"http://127.0.0.1:{gw_port}"
@@ -71,3 +72,38 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
+
+
+def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
+    """The failover logic at the transport: a refused connection or a 5xx moves the request to the next upstream
+    before any output; the failed one is asked last for a while; all failing is a 503 naming each."""
+    import asyncio
+
+    from adapters.engine import EngineRequest, EngineUnavailable, generate
+    from adapters.upstream import UpstreamVLLMEngine
+
+    seen = []
+    sse = ('data: {"choices": [{"index": 0, "text": "Paris", "finish_reason": "stop", "logprobs": null}], '
+           '"usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.host)
+        if request.url.host == "down":
+            raise httpx.ConnectError("refused")
+        if request.url.host == "broken":
+            return httpx.Response(500, text="boom")
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    async def run(urls):
+        engine = UpstreamVLLMEngine(urls, MODEL, "v", 2048)
+        await engine.start(transport=httpx.MockTransport(handler))
+        outs = [await generate(engine, EngineRequest(request_id=str(i), prompt="q")) for i in range(4)]
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(run(["http://down", "http://broken", "http://live"]))
+    assert [o.text for o in outs] == ["Paris"] * 4
+    assert seen[:3] == ["down", "broken", "live"] and seen[3:] == ["live"] * 3  # failed ones are asked last
+    seen.clear()
+    with pytest.raises(EngineUnavailable, match="down.*broken|broken.*down"):
+        asyncio.run(run(["http://down", "http://broken"]))
