@@ -1,0 +1,67 @@
+"""Faults on the real gateway (in-process vLLM, the embedded model, SQLite on disk): killed with SIGKILL while
+feedback is being written, restarted on the same database, nothing it acknowledged is lost and the database is
+intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.servers import calm_argv, free_port, running
+
+pytestmark = pytest.mark.slow
+MODEL = "calm-smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def identity_artifact(tmp_path_factory, embedded_model_dir):
+    from training.artifacts import write_identity_artifact
+
+    path = tmp_path_factory.mktemp("identity") / "artifact"
+    write_identity_artifact(path, with_reference=False)
+    return path
+
+
+def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_artifact):
+    db = tmp_path / "gw.sqlite3"
+    env = {"CALM_DB_PATH": str(db), "CALM_ARTIFACT": str(identity_artifact), "CALM_RAW_CONFIDENCE": "false"}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]}
+    acknowledged: list[tuple[str, bool]] = []
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "a.log", env) as proc:
+        ids = [httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["id"] for _ in range(60)]
+        lock = threading.Lock()
+
+        def send(response_id: str, verdict: bool):
+            try:
+                r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
+            except httpx.HTTPError:
+                return  # the gateway died under this one: not acknowledged
+            if r.status_code == 200:
+                with lock:
+                    acknowledged.append((response_id, verdict))
+
+        threads = [threading.Thread(target=send, args=(rid, i % 3 == 0)) for i, rid in enumerate(ids)]
+        for i, t in enumerate(threads):
+            t.start()
+            if i == 30:
+                time.sleep(0.05)
+                os.killpg(proc.pid, signal.SIGKILL)  # mid-write: feedback requests are in flight
+        for t in threads:
+            t.join()
+        proc.wait()
+    assert 0 < len(acknowledged) < len(ids), len(acknowledged)
+    assert sqlite3.connect(db).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "b.log", env):
+        for response_id, verdict in acknowledged:  # the same verdict again: "already recorded", never a conflict
+            r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
+            assert r.status_code == 200 and r.json()["recorded"] is False, (response_id, r.text)
