@@ -2,8 +2,8 @@
 to some domains and to a request rate.
 
 A key is `calm-<id>-<secret>`: the id names it in lists and logs, the secret (32 random bytes, URL-safe) is shown once
-and never stored; the store keeps sha256(key). Keys are random, so a plain hash is enough (no password stretching);
-comparison is by hash lookup, constant-time on the stored digest.
+and never stored; the store keeps sha256(key). Keys are random, so a plain hash is enough (no password stretching),
+and a key is found by looking its digest up (what a timing difference could reveal is a digest, not a key).
 
 Rate limits are a token bucket per key and per gateway replica (`requests_per_minute`, burst of the same size):
 an empty bucket answers 429 with Retry-After, the seconds until the next token. Revocations reach every replica
@@ -13,7 +13,6 @@ within REFRESH_S (keys are re-read from the shared store).
 from __future__ import annotations
 
 import hashlib
-import hmac
 import secrets
 import threading
 import time
@@ -97,8 +96,7 @@ class KeyRing:
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "send the API key as 'Authorization: Bearer <key>'", "authentication_error",
                            code="invalid_api_key")
-        digest = hash_key(key.strip())
-        found = next((k for h, k in self._keys().items() if hmac.compare_digest(h, digest)), None)
+        found = self._keys().get(hash_key(key.strip()))
         if found is None:
             if not self.required and not key.startswith(f"{PREFIX}-"):
                 return None  # development: the OpenAI client's placeholder keys ("unused", "sk-...") still pass

@@ -337,8 +337,12 @@ class CalibratedService:
                 choice = await self.choose_option(prompt, self.engine_request(req, prompt, 1, 0), with_raw=False)
             dist = choice.dists[0]
             response_id = f"label-{uuid.uuid4().hex}"
-            self.store.record_response(response_id, domain, dist.confidence)
-            self.store.add_feedback(response_id, dist.chosen == q.answer)
+
+            def store() -> None:  # off the event loop, like every other write
+                self.store.record_response(response_id, domain, dist.confidence)
+                self.store.add_feedback(response_id, dist.chosen == q.answer)
+
+            await asyncio.to_thread(store)
             return dist.chosen == q.answer
 
         verdicts = await asyncio.gather(*(one(q) for q in questions))

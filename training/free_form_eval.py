@@ -106,6 +106,14 @@ def evaluate_served(model_dir: str | Path, artifact_dir: str | Path, questions: 
         return [FreeFormRecord(**json.loads(line)) for line in rpath.read_text().splitlines()]
 
 
+def evaluate_sets(model_dir: str | Path, artifact_dir: str | Path, sets: dict[str, list[OpenQuestion]],
+                  samples: int = 8) -> dict[str, list[FreeFormRecord]]:
+    """Records per named set, every distinct question answered once, all in one child process."""
+    unique = {q.id: q for qs in sets.values() for q in qs}
+    records = {r.id: r for r in evaluate_served(model_dir, artifact_dir, list(unique.values()), samples)}
+    return {label: [records[q.id] for q in qs] for label, qs in sets.items()}
+
+
 def free_form_metrics(records: list[FreeFormRecord], n_bins: int = 10) -> dict[str, float]:
     """Token-confidence metrics of the greedy answers; Sem-* of the semantic answers when they were sampled."""
     conf = np.array([r.token_confidence for r in records])
@@ -141,6 +149,9 @@ if __name__ == "__main__":
     main()
 
 
+HELD_OUT = "\0held-out"  # the reference-histogram questions among measure_artifact's sets (no test label clashes)
+
+
 def measure_artifact(artifact_dir: str | Path, base_model_path: str, tests: dict[str, list[OpenQuestion]],
                      held_out: list[OpenQuestion], samples: int = 0) -> dict[str, dict[str, float]]:
     """A free-form artifact's metrics per test set and its reference histograms per serving domain (token confidence
@@ -152,16 +163,18 @@ def measure_artifact(artifact_dir: str | Path, base_model_path: str, tests: dict
     artifact = load_artifact(artifact_dir)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = merged_model_dir(base_model_path, artifact, Path(tmp))
-        unique = {q.id: q for q in [*held_out, *(q for qs in tests.values() for q in qs)]}
-        records = {r.id: r for r in evaluate_served(model_dir, artifact_dir, list(unique.values()), samples)}
-    metrics = {label: free_form_metrics([records[q.id] for q in qs]) for label, qs in tests.items()}
+        per_set = evaluate_sets(model_dir, artifact_dir, {**tests, HELD_OUT: held_out}, samples)
+    held = per_set.pop(HELD_OUT)
+    metrics = {label: free_form_metrics(recs) for label, recs in per_set.items()}
     by_domain: dict[str, list[float]] = {"all": []}
-    for q in held_out:
-        conf = records[q.id].token_confidence
+    for q, record in zip(held_out, held):
+        conf = record.token_confidence
         by_domain.setdefault(serving_domain(q), []).append(conf)
         by_domain["all"].append(conf)
     histograms = {d: reference_histogram(np.array(c)) for d, c in by_domain.items()}
-    update_manifest(artifact_dir, metrics={**artifact.manifest.metrics, **metrics}, reference_histograms=histograms)
+    # Undefined metrics (AUROC of a set with no right answer) are left out: the manifest holds numbers.
+    stored = {label: {k: v for k, v in m.items() if math.isfinite(v)} for label, m in metrics.items()}
+    update_manifest(artifact_dir, metrics={**artifact.manifest.metrics, **stored}, reference_histograms=histograms)
     return metrics
 
 
@@ -184,22 +197,15 @@ def run_free_form_eval(specs, artifact: str | None, model: str | None, limit: in
                 raise ConfigError(f"artifact {artifact} has no free-form mode (it is fitted to multiple choice only)")
             model_dir, head_dir, version = merged_model_dir(resolved.path, mode, Path(tmp)), mode.path, mode.manifest.artifact_version
         else:
-            from calm_core.alpha_head import AlphaHead
-            from calm_core.artifact import save_artifact
-            from training.artifacts import model_refs, output_vocab_size
-            from training.scoring import load_tokenizer
+            from training.artifacts import write_identity_artifact
 
-            vocab = output_vocab_size(resolved.path)
-            base, tok = model_refs(resolved, load_tokenizer(resolved.path), vocab)
             head_dir = Path(tmp, "identity")
-            save_artifact(head_dir, AlphaHead.identity(vocab), base_model=base, tokenizer=tok, method="identity")
+            write_identity_artifact(head_dir, model, with_reference=False)
             model_dir, version = resolved.path, None
-        unique = {q.id: q for qs in sets.values() for q in qs}
-        records = {r.id: r for r in evaluate_served(model_dir, head_dir, list(unique.values()), samples)}
+        per_set = evaluate_sets(model_dir, head_dir, sets, samples)
     out.mkdir(parents=True, exist_ok=True)
     results, panels = {}, {}
-    for label, qs in sets.items():
-        recs = [records[q.id] for q in qs]
+    for label, recs in per_set.items():
         results[label] = free_form_metrics(recs)
         panels[label] = (np.array([r.token_confidence for r in recs]), np.array([r.correct for r in recs], dtype=float))
         (out / f"answers_{label.replace(':', '_').replace('@', '_')}.jsonl").write_text(

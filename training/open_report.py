@@ -36,7 +36,7 @@ from calm_core.artifact import save_artifact  # noqa: E402
 from calm_core.plots import reliability_diagram  # noqa: E402
 from training.artifacts import model_refs  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
-from training.free_form_eval import FreeFormRecord, evaluate_served, free_form_metrics  # noqa: E402
+from training.free_form_eval import FreeFormRecord, evaluate_served, evaluate_sets, free_form_metrics  # noqa: E402
 from training.generative import GenerativeFormat, gold_target, position_logits  # noqa: E402
 from training.posthoc import fit_daca_temperature, fit_token_temperature  # noqa: E402
 from training.trainer import Trainer  # noqa: E402
@@ -58,10 +58,7 @@ def _test_questions(trainer: Trainer, limit: int | None = None) -> dict[str, lis
 
 def _evaluate(model_dir, artifact_dir, tests: dict[str, list], samples: int) -> tuple[dict, dict]:
     """Metrics per role, and the records (for plots)."""
-    questions = [q for qs in tests.values() for q in qs]
-    records = evaluate_served(model_dir, artifact_dir, questions, samples)
-    by_id = {r.id: r for r in records}
-    per_role = {name: [by_id[q.id] for q in qs] for name, qs in tests.items()}
+    per_role = evaluate_sets(model_dir, artifact_dir, tests, samples)
     return {name: free_form_metrics(recs) for name, recs in per_role.items()}, per_role
 
 
