@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import weakref
 from collections.abc import AsyncIterator
 
 from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import ADAPTER_NAME, OPT_OUT_KEY, EngineConfig
-from calm_core.artifact import load_artifact
+from calm_core.artifact import load_artifact, read_manifest
 
 
 def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
@@ -32,6 +34,37 @@ def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
     return deltas
 
 
+class SharedEngines:
+    """vLLM engines of this process by what they compute: weights, α head (by content) and LoRA adapter. Artifact
+    versions that need the same engine share it (a retrained version keeps its parent's free-form mode: the same
+    weights and head), and it shuts down when the last version using it closes."""
+
+    def __init__(self):
+        self._engines: dict[tuple, object] = {}
+        self._users: dict[tuple, int] = {}
+        self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop (tests run several)
+
+    async def acquire(self, key: tuple, build):
+        async with self._locks.setdefault(asyncio.get_running_loop(), asyncio.Lock()):
+            if key not in self._engines:
+                self._engines[key] = await asyncio.to_thread(build)
+                self._users[key] = 0
+            self._users[key] += 1
+            return self._engines[key]
+
+    def release(self, key: tuple) -> None:
+        self._users[key] -= 1
+        if self._users[key] == 0:
+            self._engines.pop(key).shutdown()
+            del self._users[key]
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+
+SHARED = SharedEngines()
+
+
 class InProcessVLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -41,7 +74,8 @@ class InProcessVLLMEngine:
         self.folded_scoring = config.folded_model_path is not None
         self.free_form_mode = config.free_form_model_path is not None
         self.prompt_logprobs = True  # returns prompt log-probs (raw free-form confidence, one-pass scoring)
-        self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" -> AsyncLLM
+        self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" | "free_form" -> AsyncLLM
+        self._keys: dict[str, tuple] = {}  # the same -> its key in SHARED
 
     async def start(self) -> None:
         """One engine on the base weights; with an adapter, either a second one on base + adapter merged (adapter mode
@@ -65,7 +99,20 @@ class InProcessVLLMEngine:
             kwargs = self.config.engine_kwargs(path, lora=lora, artifact_path=head)
             if "gpu_memory_utilization" in kwargs:  # each engine takes its share of the GPU: the share is split
                 kwargs["gpu_memory_utilization"] /= len(paths)
-            self._engines[weights] = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+            key = (path, read_manifest(head or self.config.artifact_path)["head_sha256"],
+                   self.config.adapter_path if lora else None)
+
+            def build(kwargs=kwargs):
+                # In a thread: an engine takes tens of seconds to start, and a gateway loading another artifact
+                # version (hot swap) goes on serving meanwhile. vLLM starts its output handler on the first request.
+                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+
+            try:
+                self._engines[weights] = await SHARED.acquire(key, build)
+                self._keys[weights] = key
+            except BaseException:
+                await self.close()  # the engines this version already acquired are released too
+                raise
 
     def _engine_for(self, request: EngineRequest):
         if request.folded:
@@ -147,9 +194,13 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
 
     def _weights(self) -> dict[str, str]:
-        """The weights each engine serves: "base", and "adapter" (merged), "folded" and "free_form" where configured."""
-        paths = {"base": self.config.model_path, "adapter": self.config.merged_model_path,
-                 "folded": self.config.folded_model_path, "free_form": self.config.free_form_model_path}
+        """The weights each engine serves: "base", and "adapter" (merged), "folded" and "free_form" where configured.
+        With merged adapter weights and a free-form mode no request runs on the base weights (multiple choice runs on
+        the adapter's, free form on the mode's), so no base engine is started."""
+        cfg = self.config
+        unused_base = cfg.merged_model_path is not None and cfg.free_form_model_path is not None
+        paths = {"base": None if unused_base else cfg.model_path, "adapter": cfg.merged_model_path,
+                 "folded": cfg.folded_model_path, "free_form": cfg.free_form_model_path}
         return {w: p for w, p in paths.items() if p}
 
     def describe(self) -> dict:
@@ -170,6 +221,7 @@ class InProcessVLLMEngine:
             raise EngineUnavailable(f"engine unhealthy: {e}") from None
 
     async def close(self) -> None:
-        for engine in self._engines.values():
-            engine.shutdown()
+        for weights in list(self._engines):
+            if weights in self._keys:
+                SHARED.release(self._keys.pop(weights))
         self._engines = {}

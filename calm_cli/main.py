@@ -372,5 +372,135 @@ def engine(
     os.execve(argv[0], argv, env)
 
 
+# -- the retraining loop ------------------------------------------------------------------------------------------------
+artifacts_app = typer.Typer(help="The artifact registry: versions, which serves which domain, promotion and rollback "
+                            "(the gateway's database; running gateways switch within seconds).", no_args_is_help=True)
+app.add_typer(artifacts_app, name="artifacts")
+jobs_app = typer.Typer(help="Retraining jobs (queued by drift alerts or operators, run by `calm worker`).",
+                       no_args_is_help=True)
+app.add_typer(jobs_app, name="jobs")
+
+
+def _registry():
+    from calm_core.registry import Registry
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    return Registry(_store(), settings.registry_root)
+
+
+def _echo_json(data) -> None:
+    import json
+
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+@artifacts_app.command("list")
+@one_line_errors
+def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions trained for this domain")] = None,
+                   status: Annotated[Optional[str], typer.Option(help="candidate | active | rejected | retired")] = None):
+    """Every version, newest first: status, the domains it serves, its domain, parent and trigger."""
+    registry = _registry()
+    for r in registry.list(domain, status):
+        serves = ",".join(r.active_for) or "-"
+        typer.echo(f"{r.version}  {r.status:9s}  serves={serves}  domain={r.domain or '*'}  parent={r.parent or '-'}  "
+                   f"trigger={r.trigger}" + (f"  reason={r.reason}" if r.reason else ""))
+    typer.echo("active: " + ", ".join(f"{d}={v}" for d, v in sorted(registry.active().items())))
+
+
+@artifacts_app.command("show")
+@one_line_errors
+def artifacts_show(version: str):
+    """One version: lineage, metrics (the gate's inputs and decision for retrained ones), folder."""
+    record = _registry().get(version)
+    if record is None:
+        raise CalmError(f"no artifact version {version!r} in the registry")
+    _echo_json(record.as_dict())
+
+
+@artifacts_app.command("promote")
+@one_line_errors
+def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="the domain it serves; * = the default")] = "*"):
+    """Make a version serve a domain (a candidate left for the operator, or any earlier one)."""
+    from calm_core.registry import RegistryError
+
+    try:
+        previous = _registry().promote(version, domain, actor="cli")
+    except RegistryError as e:
+        raise CalmError(str(e)) from None
+    typer.echo(f"{domain}: {version} (was {previous or 'the default'})")
+
+
+@artifacts_app.command("rollback")
+@one_line_errors
+def artifacts_rollback(domain: Annotated[str, typer.Option(help="the domain to roll back; * = the default")] = "*"):
+    """Return a domain to the version it had before (a domain's own version rolls back to the default)."""
+    from calm_core.registry import RegistryError
+
+    try:
+        version = _registry().rollback(domain, actor="cli")
+    except RegistryError as e:
+        raise CalmError(str(e)) from None
+    typer.echo(f"{domain}: {version or 'the default'}")
+
+
+@jobs_app.command("list")
+@one_line_errors
+def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
+              status: Annotated[Optional[str], typer.Option()] = None):
+    """Jobs, newest first: status, progress, trigger, candidate."""
+    from calm_core.jobs import JobQueue
+
+    for j in JobQueue(_store()).list(domain, status):
+        typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "
+                   f"attempts={j.attempts}  candidate={j.candidate or '-'}")
+
+
+@jobs_app.command("show")
+@one_line_errors
+def jobs_show(job_id: str):
+    """One job with its log and result (the gate's decision and the numbers behind it)."""
+    from calm_core.jobs import JobQueue
+
+    job = JobQueue(_store()).get(job_id)
+    if job is None:
+        raise CalmError(f"no job {job_id!r}")
+    _echo_json(job.as_dict())
+
+
+@jobs_app.command("create")
+@one_line_errors
+def jobs_create(domain: str):
+    """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
+    from calm_core.jobs import JobQueue
+
+    job, created = JobQueue(_store()).enqueue(domain, "operator", {"by": "cli"})
+    typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
+
+
+@app.command("worker")
+@one_line_errors
+def worker(
+    config: Annotated[Path, typer.Option(help="loop config (TOML)")] = Path("configs/loop.toml"),
+    once: Annotated[bool, typer.Option(help="run the waiting jobs, then exit")] = False,
+    lease_s: Annotated[float, typer.Option(help="a running job silent this long was left by a dead worker")] = 60.0,
+    name: Annotated[Optional[str], typer.Option(help="this worker's name in the jobs table")] = None,
+):
+    """Run retraining jobs: CALM on a drifting domain's captured prompts, the gate, promotion (another process than
+    the gateway; several workers may share one database)."""
+    import logging
+
+    from calm_core.db import Database
+    from gateway.settings import GatewaySettings
+    from training.retrain import Worker, load_loop_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    settings = GatewaySettings()
+    runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
+                    settings.model)
+    typer.echo(f"calm worker {runner.name}: jobs from {settings.database}")
+    runner.run(once=once)
+
+
 def main() -> None:  # pragma: no cover - console entry
     sys.exit(app())

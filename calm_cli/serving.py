@@ -63,19 +63,50 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
                         folded_model_path=folded, **free_form)
 
 
+def serving_default(settings, configured: Path) -> Path:
+    """The folder of the version the registry serves by default: the configured artifact the first time it is seen,
+    else what promotions and rollbacks left active (they survive restarts)."""
+    from calm_core.registry import Registry
+    from gateway.store import Store
+
+    store = Store(settings.database)
+    try:
+        registry = Registry(store, settings.registry_root)
+        return registry.path_of(registry.ensure_default(configured))
+    finally:
+        store.close()
+
+
 def build_gateway(settings):
     """The FastAPI app for these settings, with its engine (in-process vLLM or upstream servers)."""
     from gateway.app import create_app
     from gateway.settings import EngineKind
 
     model = resolve_model(settings.model, "float32")
-    artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
-    tokenizer, artifact = load_checked(model, artifact_path)
+    configured = Path(settings.artifact) if settings.artifact else default_artifact(model)
+    load_version = None
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 
+        artifact_path = serving_default(settings, configured)
+        tokenizer, artifact = load_checked(model, artifact_path)
         engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, inprocess=True))
+
+        async def load_version(version: str, path: Path):
+            """Another registry version's engines (per-domain versions, hot swap), started off the event loop."""
+            import asyncio
+
+            def build():
+                _, loaded = load_checked(model, path)  # refuse a mismatched or corrupt artifact before any engine
+                return InProcessVLLMEngine(engine_config(settings, model, path, loaded, inprocess=True)), loaded
+
+            version_engine, loaded = await asyncio.to_thread(build)
+            await version_engine.start()
+            return version_engine, loaded
     else:
+        # The upstream vLLM server holds the α head: the gateway serves what the server was started with.
+        artifact_path = configured
+        tokenizer, artifact = load_checked(model, artifact_path)
         from adapters.upstream import UpstreamVLLMEngine
         from adapters.vllm_common import ADAPTER_NAME
 
@@ -84,7 +115,7 @@ def build_gateway(settings):
             settings.max_model_len, settings.upstream_timeout_s, settings.upstream_connect_timeout_s,
             adapter_name=ADAPTER_NAME if artifact.manifest.has_adapter else None,
         )
-    return create_app(settings, engine, tokenizer, artifact)
+    return create_app(settings, engine, tokenizer, artifact, load_version=load_version)
 
 
 def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str]]:

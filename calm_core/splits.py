@@ -15,7 +15,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from calm_core.data import DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_open, normalize_text
+from calm_core.data import (
+    DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_mc_file, load_open, normalize_text,
+)
 from calm_core.errors import ConfigError
 
 ROLES = ("train", "calibration", "test_in_domain", "test_out_of_domain")
@@ -32,12 +34,21 @@ class SourceSpec(BaseModel):
     fraction: tuple[float, float] = (0.0, 1.0)
     limit: int | None = None
     name: str | None = None  # label in reports; defaults to dataset[:categories]
+    # A JSONL file of multiple-choice questions (the project's format) instead of a benchmark: a domain's captured
+    # traffic or its own labelled test questions (the retraining worker writes both). `dataset` and `split` then only
+    # name it.
+    path: str | None = None
+    # False: the questions' answers are placeholders (captured prompts): only the calibration role may use them.
+    labelled: bool = True
 
     @model_validator(mode="after")
     def _check(self):
-        if self.dataset not in DATASET_FILES:
+        if self.path is not None:
+            if self.subjects or self.categories:
+                raise ValueError("a file source has no subjects or categories")
+        elif self.dataset not in DATASET_FILES:
             raise ValueError(f"unknown dataset {self.dataset!r}")
-        if self.split not in DATASET_FILES[self.dataset]:
+        elif self.split not in DATASET_FILES[self.dataset]:
             raise ValueError(f"dataset {self.dataset!r} has no split {self.split!r}")
         lo, hi = self.fraction
         if not 0.0 <= lo < hi <= 1.0:
@@ -73,6 +84,13 @@ class DomainSplit(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _labels_where_needed(self):
+        for role in ("train", "test_in_domain", "test_out_of_domain"):
+            if any(not s.labelled for s in getattr(self, role)):
+                raise ValueError(f"{role} needs labelled questions; unlabelled sources belong to calibration")
+        return self
+
+    @model_validator(mode="after")
     def _one_kind(self):
         kinds = {s.dataset in OPEN_DATASETS for role in ROLES for s in getattr(self, role)}
         if len(kinds) > 1:
@@ -101,7 +119,9 @@ Question = MCQuestion | OpenQuestion
 
 
 def select(spec: SourceSpec, seed: int, root: Path | None = None) -> list[Question]:
-    if spec.dataset in OPEN_DATASETS:
+    if spec.path is not None:
+        questions = load_mc_file(spec.path)
+    elif spec.dataset in OPEN_DATASETS:
         questions = load_open(spec.dataset, spec.split, root)
     else:
         questions = load_mc(spec.dataset, spec.split, root)

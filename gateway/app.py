@@ -18,7 +18,12 @@ from pydantic import ValidationError
 
 from adapters.engine import EngineClient
 from calm_core.artifact import LoadedArtifact
+from calm_core.capture import Capture
+from calm_core.jobs import JobQueue
+from calm_core.registry import Registry
+from gateway.deployments import Deployment, Deployments, VersionLoader
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
+from gateway.guarantees import GuaranteedThresholds
 from gateway.keys import ClientKey, KeyRing, issue_key
 from gateway.limits import BodySizeLimit, InFlight, deadline
 from gateway.monitoring import DomainMonitor, Metrics
@@ -27,7 +32,9 @@ from gateway.protocol import (
     ChatCompletionRequest, CompletionRequest, ErrorResponse, FeedbackRequest, FeedbackResponse, KeyCreate, KeyCreated,
     KeyList, KeyOut, LabelUpload, LabelUploadResult, ModelCard, ModelList, PolicyOut,
 )
-from gateway.serving import CalibratedService, ServedArtifact, response_key
+from gateway.loop_routes import loop_router
+from gateway.retraining import CaptureBook
+from gateway.serving import CalibratedService, PolicyBook, ServedArtifact, response_key
 from gateway.settings import GatewaySettings
 from gateway.store import Store, VersionConflict
 
@@ -105,18 +112,44 @@ def create_app(
     artifact: LoadedArtifact,
     store: Store | None = None,
     registry: CollectorRegistry | None = None,
+    load_version: VersionLoader | None = None,
 ) -> FastAPI:
+    """`engine` serves `artifact`, the global default; `load_version` starts an engine for another registry version
+    (per-domain versions and hot swap), None where the engine cannot serve other versions (an upstream server)."""
     registry = registry or CollectorRegistry()
     store = store or Store(settings.database)
     metrics = Metrics(registry)
     monitor = DomainMonitor(metrics, artifact.manifest.reference_histograms, settings.domains, settings.drift_window)
+    artifacts = Registry(store, settings.registry_root)
+    if "path" in artifact.__dict__:  # an artifact on disk (unit tests build bare ones) is the registry's default
+        artifacts.ensure_default(artifact.path)
+    jobs = JobQueue(store)
+    capture = Capture(store)
+    capture_book = CaptureBook(capture)
+    policies = PolicyBook(store)
+    guarantees = GuaranteedThresholds(store, metrics, policies.in_force, monitor.reference, settings.risk_refit_every)
+
+    def make_service(version_engine: EngineClient, loaded: LoadedArtifact) -> CalibratedService:
+        return CalibratedService(settings, version_engine, tokenizer, store, monitor, ServedArtifact.of(loaded.manifest),
+                                 policies, guarantees, capture_book)
+
+    service = make_service(engine, artifact)
+    deployments = Deployments(Deployment(artifact.manifest.artifact_version, service, artifact), artifacts,
+                              make_service, monitor, load_version, settings.drain_s, settings.registry_poll_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        poller = None
         try:
+            await deployments.sync()  # per-domain versions serve from the first request on
+            poller = asyncio.get_running_loop().create_task(deployments.run())
             yield
-        finally:  # the engine and the database always shut down, however the server stops
+        finally:  # engines and the database always shut down, however the server stops
+            if poller is not None:
+                poller.cancel()
+            await capture_book.flush()
+            await deployments.close()
             await engine.close()
             store.close()
 
@@ -126,8 +159,8 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     in_flight = InFlight(settings.max_in_flight)
     app.state.in_flight = in_flight
-    service = CalibratedService(settings, engine, tokenizer, store, monitor, ServedArtifact.of(artifact.manifest))
     app.state.service = service
+    app.state.deployments = deployments
 
     def admin(authorization: str | None = Header(default=None)) -> str:
         if not authorization:
@@ -165,38 +198,43 @@ def create_app(
                 log.error("unhandled error in a %s stream", endpoint, exc_info=e)
             yield sse_error(error)
 
-    async def observed(endpoint: str, call, req, domain_header, key: ClientKey | None):
+    async def observed(endpoint: str, method: str, req, domain_header, key: ClientKey | None):
         start = time.perf_counter()
         domain = service.domain_of(req, domain_header)
         streaming = False
         try:
             keyring.admit(key, domain)
             in_flight.acquire()
+            # The version serving this domain now; a swap during the request lets it finish on this one.
+            deployment = deployments.for_domain(domain)
+            deployment.in_flight += 1
             try:
                 async with deadline(settings.request_deadline_s):
-                    result = await call(req, domain)
+                    result = await getattr(deployment.service, method)(req, domain)
                 streaming = hasattr(result, "__aiter__")
             finally:
                 if not streaming:
                     in_flight.release()
+                    deployment.in_flight -= 1
         except Exception as e:
             count_error(endpoint, domain, e)
             raise
         metrics.requests.labels(endpoint, domain, "200").inc()
-        if streaming:  # the slot is held until the stream's last chunk
-            return StreamingResponse(in_flight.hold_stream(sse(endpoint, domain, result)), media_type="text/event-stream")
+        if streaming:  # the slots are held until the stream's last chunk
+            stream = held_until_done(sse(endpoint, domain, result), deployment)
+            return StreamingResponse(in_flight.hold_stream(stream), media_type="text/event-stream")
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
         return JSONResponse(result.model_dump())
 
     @app.post("/v1/chat/completions", responses=documented(400, 401, 403, 404, 413, 429, 500, 503, 504))
     async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),
                                key: ClientKey | None = Depends(client)):
-        return await observed("chat", service.chat, req, x_calm_domain, key)
+        return await observed("chat", "chat", req, x_calm_domain, key)
 
     @app.post("/v1/completions", responses=documented(400, 401, 403, 404, 413, 429, 500, 503, 504))
     async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None),
                           key: ClientKey | None = Depends(client)):
-        return await observed("completions", service.completion, req, x_calm_domain, key)
+        return await observed("completions", "completion", req, x_calm_domain, key)
 
     @app.get("/v1/models", responses=documented(401))
     async def models(_: ClientKey | None = Depends(client)) -> ModelList:
@@ -204,9 +242,12 @@ def create_app(
 
     @app.get("/health", responses=documented(503))
     async def health():
-        await engine.check_health()
-        return {"status": "ok", "model": engine.model_name, "artifact_version": engine.artifact_version,
-                "scoring": service.scoring_paths(), "engine": engine.describe()}
+        default = deployments.default.service
+        for deployment in list(deployments.loaded.values()):
+            await deployment.service.engine.check_health()
+        return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
+                "scoring": default.scoring_paths(), "engine": default.engine.describe(),
+                "versions": deployments.describe()}
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
@@ -231,7 +272,7 @@ def create_app(
             if stored:
                 confidences, outcomes = store.recent_feedback(domain, settings.feedback_window)
                 monitor.observe_feedback(domain, req.correct, confidences, outcomes)
-                service.guarantees.on_feedback(domain)
+                guarantees.on_feedback(domain)
             return stored
 
         stored = await asyncio.to_thread(record)
@@ -243,7 +284,7 @@ def create_app(
     # -- admin: abstention policies ------------------------------------------------------------------------------
     def policy_out(domain: str, body: dict, version: int) -> PolicyOut:
         policy = Policy.model_validate(body)
-        effective = resolve(policy, domain, monitor.reference(domain), None, service.guarantees.fit_for(domain))
+        effective = resolve(policy, domain, monitor.reference(domain), None, guarantees.fit_for(domain))
         return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"),
                          effective_threshold=effective.threshold, state=effective.state)
 
@@ -279,16 +320,16 @@ def create_app(
             version = store.put_policy(domain, policy.model_dump(mode="json"), actor, expected)
         except VersionConflict as e:
             raise APIError(409, str(e), "conflict_error") from None
-        service.policies.refresh()
-        service.guarantees.on_policy_change()
+        policies.refresh()
+        guarantees.on_policy_change()
         return policy_out(domain, policy.model_dump(mode="json"), version)
 
     @app.delete("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
     async def delete_policy(domain: DomainPath, actor: str = Depends(admin)):
         if not store.delete_policy(checked_domain(domain), actor):
             raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
-        service.policies.refresh()
-        service.guarantees.on_policy_change()
+        policies.refresh()
+        guarantees.on_policy_change()
         return {"domain": domain, "deleted": True}
 
     @app.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 404, 503))
@@ -297,7 +338,9 @@ def create_app(
         if domain == DEFAULT_DOMAIN or monitor.label(domain) != domain:
             raise APIError(404, f"labels belong to a known serving domain; {domain!r} is not one", "not_found_error",
                            param="domain")
-        verdicts = await service.score_labelled(domain, upload.questions)
+        verdicts = await deployments.for_domain(domain).service.score_labelled(domain, upload.questions)
+        # Kept with their answers for the retraining gate (judged on, never trained on).
+        await asyncio.to_thread(capture.add_labelled, domain, [(q.question, q.options, q.answer) for q in upload.questions])
         return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                                  labels=len(store.labelled_answers(domain)[0]))
 
@@ -335,4 +378,15 @@ def create_app(
                                param=name)
         return {"data": store.audit_log(domain, limit)}
 
+    app.include_router(loop_router(admin, documented, deployments, artifacts, jobs, capture, capture_book,
+                                   lambda: monitor.known))
     return app
+
+
+async def held_until_done(stream, deployment: Deployment):
+    """A response stream that keeps its deployment in use until the last chunk (or the client's disconnect)."""
+    try:
+        async for piece in stream:
+            yield piece
+    finally:
+        deployment.in_flight -= 1

@@ -43,6 +43,8 @@ class Metrics:
         self.policy_labels = Gauge("calm_policy_guarantee_labels", "Labelled answers behind the guaranteed threshold", ["domain"], registry=registry)
         self.policy_realised_risk = Gauge("calm_policy_realised_selective_risk", "Error rate of the answers let through, on feedback since the last fit", ["domain"], registry=registry)
         self.policy_realised_answers = Gauge("calm_policy_realised_answers", "Answers let through with feedback since the last fit", ["domain"], registry=registry)
+        self.serving_version = Gauge("calm_serving_version_info", "The artifact version serving each domain (value 1)",
+                                     ["domain", "version"], registry=registry)
         self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
 
 
@@ -55,6 +57,7 @@ class DomainMonitor:
         self.known = set(references) | set(extra_domains) | {OTHER}
         fallback = references.get("all") or (next(iter(references.values())) if references else None)
         self._windows: dict[str, ConfidenceWindow] = {}
+        self._window_size = window
         self._lock = threading.Lock()
         for domain in sorted(self.known):
             ref = references.get(domain, fallback)
@@ -66,6 +69,19 @@ class DomainMonitor:
             return OTHER
         domain = domain.strip().lower()
         return domain if domain in self.known else OTHER
+
+    def set_reference(self, domain: str, ref: ReferenceHistogram | None) -> None:
+        """A new serving version for `domain`: its drift window starts afresh against that version's reference."""
+        with self._lock:
+            self.references = {**self.references, domain: ref} if ref is not None else {
+                d: r for d, r in self.references.items() if d != domain}
+            if ref is not None:
+                self._windows[domain] = ConfidenceWindow(ref.bin_edges, ref.counts, self._window_size)
+            else:
+                self._windows.pop(domain, None)
+        m = self.metrics
+        for gauge in (m.drift_psi, m.drift_ks, m.window):
+            gauge.labels(domain).set(0)
 
     def reference(self, domain: str) -> tuple[list[float], list[int]] | None:
         ref = self.references.get(domain) or self.references.get("all")

@@ -33,6 +33,7 @@ from gateway.protocol import (
     ClusterOut, CompletionRequest, CompletionResponse, LabelledQuestion, OptionProbability, SamplingFields, UsageInfo,
 )
 from gateway.settings import GatewaySettings
+from gateway.retraining import CaptureBook
 from gateway.store import Store
 
 
@@ -128,16 +129,19 @@ def response_key(response_id: str, choice_index: int) -> str:
 
 class CalibratedService:
     def __init__(self, settings: GatewaySettings, engine: EngineClient, tokenizer, store: Store, monitor: DomainMonitor,
-                 artifact: ServedArtifact = ServedArtifact()):
+                 artifact: ServedArtifact = ServedArtifact(), policies: PolicyBook | None = None,
+                 guarantees: GuaranteedThresholds | None = None, capture: "CaptureBook | None" = None):
         self.settings = settings
         self.artifact = artifact
         self.engine = engine
         self.tokenizer = tokenizer
         self.store = store
         self.monitor = monitor
-        self.policies = PolicyBook(store)
-        self.guarantees = GuaranteedThresholds(store, monitor.metrics, self.policies.in_force, monitor.reference,
-                                               settings.risk_refit_every)
+        # Shared by every version's service (gateway/deployments.py): policies, risk fits and capture are per domain.
+        self.policies = policies or PolicyBook(store)
+        self.guarantees = guarantees or GuaranteedThresholds(store, monitor.metrics, self.policies.in_force,
+                                                             monitor.reference, settings.risk_refit_every)
+        self.capture = capture
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
         self.one_pass = artifact.answer_format == "cloze" and getattr(engine, "folded_scoring", False)
         # Free-form answers from the artifact's free-form mode where the engine serves it; else, for an artifact fitted
@@ -394,8 +398,17 @@ class CalibratedService:
                            "n must be 1", param="n")
         if req.stream:
             usage = req.stream_options is not None and req.stream_options.include_usage
+            self._capture(req, prompt, domain, None)
             return self._stream(response_id, view, prompt, request, domain, policy, self.wants_raw(req), usage, samples)
-        return await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req), samples)
+        served = await self._complete(prompt, request, domain, policy, response_id, self.wants_raw(req), samples)
+        self._capture(req, prompt, domain, served.answers[0].text)
+        return served
+
+    def _capture(self, req: SamplingFields, prompt: PreparedPrompt, domain: str, answer: str | None) -> None:
+        """Keep the question (and options) for retraining where the domain opted in; off the event loop."""
+        if self.capture is not None:
+            kind = "multiple_choice" if prompt.multiple_choice else "free_form"
+            self.capture.add(domain, kind, req.question_text(), list(req.options or []) or None, answer)
 
     def semantic_samples(self, req: SamplingFields, domain: str) -> int | None:
         """How many answers to sample when the free-form confidence is semantic (request, else the domain's policy)."""

@@ -52,6 +52,10 @@ class GatewaySettings(BaseSettings):
     @property
     def database(self) -> str:
         return self.db_url or str(self.db_path)
+    # The artifact registry's folder (immutable versions); its metadata lives in the database above. Default: beside
+    # the SQLite file, or $CALM_HOME/registry with PostgreSQL. Replicas sharing a database share this folder too.
+    registry_dir: Path | None = None
+    registry_poll_s: float = Field(default=2.0, gt=0)  # how soon a promotion made elsewhere serves here
     domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
     drift_window: int = 200
     feedback_window: int = 500
@@ -66,6 +70,16 @@ class GatewaySettings(BaseSettings):
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True
     risk_refit_every: int = Field(default=25, ge=1)  # guaranteed-risk policies: refit after this many new verdicts
+
+    @property
+    def registry_root(self) -> Path:
+        if self.registry_dir is not None:
+            return self.registry_dir
+        if self.db_url:
+            from calm_core.paths import calm_home
+
+            return calm_home() / "registry"
+        return self.db_path.parent / "registry"
 
     @property
     def api_keys_required(self) -> bool:

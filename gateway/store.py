@@ -10,15 +10,13 @@ get a version conflict, not a lost update.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
-from sqlalchemy import (
-    Column, Float, Integer, MetaData, String, Table, Text, create_engine, delete, event, func, select, update,
-)
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
+from calm_core.db import Database
 from gateway.keys import ClientKey
 
 META = MetaData()
@@ -60,35 +58,10 @@ CLIENT_KEYS = Table("client_keys", META,
                     Column("revoked_at", Float))
 
 
-def database_url(path_or_url: str | Path) -> str:
-    """A SQLAlchemy URL: PostgreSQL URLs as given (postgresql+psycopg://…), anything else a SQLite file path."""
-    text = str(path_or_url)
-    if "://" in text:
-        return text
-    if text != ":memory:":
-        Path(text).parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{text}"
-
-
-class Store:
+class Store(Database):
     def __init__(self, path_or_url: str | Path):
-        self.url = database_url(path_or_url)
-        self.sqlite = self.url.startswith("sqlite")
-        if self.sqlite:
-            self.engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 30})
-            event.listen(self.engine, "connect", _sqlite_pragmas)
-        else:
-            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10)
-        # SQLite has one writer: writes are serialised here rather than retried on "database is locked".
-        self._write_lock = threading.Lock() if self.sqlite else _NoLock()
+        super().__init__(path_or_url)
         META.create_all(self.engine)
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def _write(self):
-        """A write transaction: BEGIN IMMEDIATE on SQLite (the write lock up front), a plain one on PostgreSQL."""
-        return _WriteTx(self)
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:
@@ -264,56 +237,6 @@ class Store:
     def active_client_keys(self) -> dict[str, ClientKey]:
         """key hash -> ClientKey, revoked keys left out."""
         return {digest: key for key, digest in self.client_keys() if key.revoked_at is None}
-
-
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
-    # WAL: readers never wait for the writer; autocommit at the driver so BEGIN IMMEDIATE below is ours to issue.
-    dbapi_connection.isolation_level = None
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _WriteTx:
-    """`with store._write() as conn:` one write transaction, committed on success and rolled back on any error."""
-
-    def __init__(self, store: Store):
-        self.store = store
-
-    def __enter__(self):
-        self.store._write_lock.__enter__()
-        try:
-            self.conn = self.store.engine.connect()
-            if self.store.sqlite:
-                self.conn.exec_driver_sql("BEGIN IMMEDIATE")
-            else:
-                self.conn.begin()
-        except BaseException:
-            self.store._write_lock.__exit__(None, None, None)
-            raise
-        return self.conn
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            if self.store.sqlite:
-                self.conn.exec_driver_sql("ROLLBACK" if exc_type else "COMMIT")
-            elif exc_type:
-                self.conn.rollback()
-            else:
-                self.conn.commit()
-        finally:
-            self.conn.close()
-            self.store._write_lock.__exit__(None, None, None)
-        return False
 
 
 class VersionConflict(Exception):

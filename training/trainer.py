@@ -229,7 +229,9 @@ class Trainer:
     def quick_eval(self) -> dict:
         if self.fmt.generative:
             return self.free_form_quick_eval()
-        data = self.calib_set
+        # Captured calibration prompts carry no answers: then the first in-domain test set shows progress instead.
+        labelled = all(s.labelled for s in self.split.config.calibration)
+        data = self.calib_set if labelled else next(iter(self.sets["test_in_domain"].values()))
         probs = self.probs(data)
         conf, correct = top_label(probs, data.labels.numpy())
         return {"accuracy": float(correct.mean()), "mean_conf": float(conf.mean())}

@@ -1,0 +1,91 @@
+"""One database layer (SQLAlchemy Core) for every process that stores something: the gateway, the retraining worker
+and the CLI. SQLite (a file, the embedded default) or PostgreSQL (replicas and workers sharing one database).
+
+Writes are transactions: BEGIN IMMEDIATE on SQLite (its single writer taken up front, so two writers wait instead of
+failing half-way), a plain transaction on PostgreSQL where row locks (`SELECT … FOR UPDATE`) order concurrent writers.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from sqlalchemy import create_engine, event
+
+
+def database_url(path_or_url: str | Path) -> str:
+    """A SQLAlchemy URL: PostgreSQL URLs as given (postgresql+psycopg://…), anything else a SQLite file path."""
+    text = str(path_or_url)
+    if "://" in text:
+        return text
+    if text != ":memory:":
+        Path(text).parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{text}"
+
+
+class Database:
+    def __init__(self, path_or_url: str | Path):
+        self.url = database_url(path_or_url)
+        self.sqlite = self.url.startswith("sqlite")
+        if self.sqlite:
+            self.engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 30})
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        # SQLite has one writer: this process's writes are serialised here rather than retried on "database is locked".
+        self._write_lock = threading.Lock() if self.sqlite else _NoLock()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _write(self):
+        """A write transaction: `with db._write() as conn:`, committed on success, rolled back on any error."""
+        return _WriteTx(self)
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    # WAL: readers never wait for the writer; autocommit at the driver so BEGIN IMMEDIATE below is ours to issue.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _WriteTx:
+    def __init__(self, db: Database):
+        self.db = db
+
+    def __enter__(self):
+        self.db._write_lock.__enter__()
+        try:
+            self.conn = self.db.engine.connect()
+            if self.db.sqlite:
+                self.conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                self.conn.begin()
+        except BaseException:
+            self.db._write_lock.__exit__(None, None, None)
+            raise
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if self.db.sqlite:
+                self.conn.exec_driver_sql("ROLLBACK" if exc_type else "COMMIT")
+            elif exc_type:
+                self.conn.rollback()
+            else:
+                self.conn.commit()
+        finally:
+            self.conn.close()
+            self.db._write_lock.__exit__(None, None, None)
+        return False

@@ -1,0 +1,60 @@
+"""The gateway's side of the retraining loop: traffic capture on the request path, and Alertmanager's webhook turned
+into retraining jobs. The jobs themselves run in `calm worker`, another process, so serving latency never pays for
+training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from calm_core.capture import Capture, CaptureSettings
+from calm_core.jobs import Job, JobQueue
+from gateway.protocol import AlertmanagerPayload
+
+DRIFT_ALERTS = frozenset({"CalmConfidenceDrift"})  # the alerts that mean "recalibrate this domain"
+
+
+class CaptureBook:
+    """Capture settings cached from the store (the request path reads them), re-read every `max_age_s` so a change
+    made through another replica applies here too; writes go to a thread and are awaited on shutdown."""
+
+    def __init__(self, capture: Capture, max_age_s: float = 5.0, clock=time.monotonic):
+        self.capture, self.max_age_s, self.clock = capture, max_age_s, clock
+        self._pending: set[asyncio.Future] = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        self._settings = self.capture.settings()
+        self._loaded = self.clock()
+
+    def settings_for(self, domain: str) -> CaptureSettings:
+        if self.clock() - self._loaded > self.max_age_s:
+            self.refresh()
+        return self._settings.get(domain, CaptureSettings())
+
+    def add(self, domain: str, kind: str, question: str, options: list[str] | None, answer: str | None) -> None:
+        settings = self.settings_for(domain)
+        if not settings.enabled:
+            return
+        write = asyncio.get_running_loop().run_in_executor(
+            None, self.capture.add, domain, settings, [(kind, question, options, answer)])
+        self._pending.add(write)
+        write.add_done_callback(self._pending.discard)
+
+    async def flush(self) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+
+def jobs_from_alerts(payload: AlertmanagerPayload, queue: JobQueue, known_domains: set[str]) -> list[tuple[Job, bool]]:
+    """One retraining job per domain with a firing drift alert (an open job of that domain is reused)."""
+    queued = []
+    for alert in payload.alerts:
+        domain = alert.labels.get("domain")
+        if alert.status != "firing" or alert.labels.get("alertname") not in DRIFT_ALERTS or domain not in known_domains:
+            continue
+        detail = {"alertname": alert.labels["alertname"], "starts_at": alert.startsAt,
+                  "fingerprint": alert.fingerprint, "receiver": payload.receiver}
+        queued.append(queue.enqueue(domain, "alert", detail))
+    return queued

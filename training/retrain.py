@@ -1,0 +1,364 @@
+"""The retraining worker (`calm worker`): turns a queued job into a CALM candidate for one domain, judges it, and
+promotes it or not. It runs beside the gateway, never inside it, and shares only the database and the registry folder.
+
+One job, step by step (each step's output lies in the job's folder, so a job resumed after a crash repeats only what
+was not finished):
+
+1. the domain's captured multiple-choice prompts become the *unlabelled* calibration set (CALM's upper level needs no
+   labels); the loop's training config gives the labelled training set; the domain's labelled test questions (loop
+   config) are the in-domain test set;
+2. CALM trains (the same Trainer as `calm train`; checkpoints every few steps, resumed after a crash);
+3. the candidate gets a reference histogram of its own confidences on the domain's captured traffic (so the drift
+   gauge of the domain measures against what this version expects) and keeps the parent's free-form mode;
+4. the candidate and the version serving the domain now are scored by one rule (training/artifact_scoring.py) on the
+   domain's labelled test questions and, when the domain has enough of them, on its labelled questions uploaded
+   through /admin/labels (used to judge only, never to train);
+5. the gate decides (`gate`, a pure function); the candidate is registered either way, promoted, left for the
+   operator, or rejected with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from calm_core.artifact import FREE_FORM_DIR, attach_free_form, load_artifact, update_manifest
+from calm_core.capture import Capture, CapturedPrompt, prompts_sha256
+from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion, load_mc_file
+from calm_core.db import Database
+from calm_core.errors import CalmError, ConfigError
+from calm_core.jobs import Job, JobQueue
+from calm_core.metrics import calibration_report
+from calm_core.registry import Registry
+from calm_core.splits import SourceSpec, load_split
+
+log = logging.getLogger("calm.worker")
+
+
+class LoopConfig(BaseModel):
+    """configs/loop.toml: what a retraining job trains and how its candidate is judged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    train_config: str = "configs/train/loop.toml"  # method and schedule; its split's train role is the labelled set
+    runs_dir: str = "runs/jobs"
+    min_prompts: int = Field(30, ge=1)  # fewer captured multiple-choice prompts: the job fails, saying so
+    max_prompts: int = Field(2000, ge=1)  # the newest ones are used
+    accuracy_tolerance: float = 0.02  # candidate accuracy >= active's - this, on the domain's labelled test questions
+    ece_tolerance: float = 0.0  # candidate ECE <= active's + this, on the domain's uploaded labels (when enough)
+    min_feedback_labels: int = Field(50, ge=1)
+    auto_promote_label_free: bool = False  # without enough labels: promote anyway (else the operator decides)
+    # Per domain: labelled in-domain test questions. A domain not listed uses the training split's in-domain tests.
+    test_sets: dict[str, list[SourceSpec]] = {}
+
+
+def load_loop_config(path: str | Path, **overrides) -> LoopConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"loop config not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return LoopConfig.model_validate(data)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML ({e})") from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+# -- the gate (pure) -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GateInputs:
+    candidate_accuracy: float
+    active_accuracy: float
+    feedback_labels: int = 0
+    candidate_feedback_ece: float | None = None
+    active_feedback_ece: float | None = None
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    outcome: str  # promote | operator | reject
+    reasons: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"outcome": self.outcome, "reasons": list(self.reasons)}
+
+
+def gate(cfg: LoopConfig, m: GateInputs) -> GateDecision:
+    reasons = []
+    floor = m.active_accuracy - cfg.accuracy_tolerance
+    if m.candidate_accuracy < floor:
+        return GateDecision("reject", (f"accuracy {m.candidate_accuracy:.3f} below the active version's "
+                                       f"{m.active_accuracy:.3f} - {cfg.accuracy_tolerance:g}",))
+    reasons.append(f"accuracy {m.candidate_accuracy:.3f} >= {floor:.3f} (active {m.active_accuracy:.3f})")
+    if m.feedback_labels >= cfg.min_feedback_labels:
+        limit = m.active_feedback_ece + cfg.ece_tolerance
+        if m.candidate_feedback_ece > limit:
+            return GateDecision("reject", (*reasons, f"ECE {m.candidate_feedback_ece:.3f} on {m.feedback_labels} labels "
+                                           f"above the active version's {m.active_feedback_ece:.3f}"))
+        reasons.append(f"ECE {m.candidate_feedback_ece:.3f} <= {limit:.3f} on {m.feedback_labels} labels")
+        return GateDecision("promote", tuple(reasons))
+    reasons.append(f"{m.feedback_labels} labels of the domain (< {cfg.min_feedback_labels}): label-free")
+    if cfg.auto_promote_label_free:
+        return GateDecision("promote", (*reasons, "auto_promote_label_free is set"))
+    return GateDecision("operator", (*reasons, "promotion is the operator's call (calm artifacts promote)"))
+
+
+# -- data for one job ------------------------------------------------------------------------------------------------
+def captured_questions(prompts: list[CapturedPrompt], domain: str) -> list[MCQuestion]:
+    """Captured multiple-choice prompts as unlabelled questions (answer 0 is a placeholder), duplicates removed."""
+    seen, out = set(), []
+    for p in prompts:
+        if p.kind != "multiple_choice" or not p.options or not MIN_OPTIONS <= len(p.options) <= MAX_OPTIONS:
+            continue
+        key = hashlib.sha256(json.dumps([p.question, list(p.options)]).encode()).hexdigest()[:16]
+        if key not in seen:
+            seen.add(key)
+            out.append(MCQuestion(f"captured-{key}", f"captured:{domain}", "live", p.question, tuple(p.options), 0, domain))
+    return out
+
+
+def labelled_questions(prompts: list[CapturedPrompt], domain: str) -> list[MCQuestion]:
+    """Questions an operator uploaded with their answers (/admin/labels)."""
+    out = []
+    for i, p in enumerate(prompts):
+        if p.kind == "labelled" and p.options and p.answer is not None and p.answer.isdigit() and int(p.answer) < len(p.options):
+            out.append(MCQuestion(f"labelled-{i}", f"labelled:{domain}", "live", p.question, tuple(p.options), int(p.answer), domain))
+    return out
+
+
+def write_questions(path: Path, questions: list[MCQuestion]) -> Path:
+    rows = [{"id": q.id, "dataset": q.dataset, "split": q.split, "question": q.question, "choices": list(q.choices),
+             "answer": q.answer, "domain": q.domain} for q in questions]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def job_split(cfg: LoopConfig, train_split_path: str, domain: str, calibration_file: Path, out: Path) -> Path:
+    """The job's split: the training config's labelled training set and out-of-domain tests, the domain's captured
+    prompts as calibration, the domain's labelled questions as in-domain tests."""
+    base = load_split(train_split_path)
+    tests = cfg.test_sets.get(domain) or base.test_in_domain
+    split = base.model_copy(update={
+        "name": f"retrain-{domain}",
+        "calibration": [SourceSpec(dataset=f"captured:{domain}", split="live", path=str(calibration_file), labelled=False)],
+        "test_in_domain": tests,
+    })
+    text = json.dumps(split.model_dump(mode="json", exclude_none=True))
+    out.write_text(_toml_from_json(json.loads(text)), encoding="utf-8")
+    load_split(out)  # what was written reads back as a valid split
+    return out
+
+
+def _toml_from_json(data: dict) -> str:
+    """A split as TOML (scalars first, then arrays of tables), enough for load_split."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, list)]
+    for role, sources in data.items():
+        if isinstance(sources, list):
+            for source in sources:
+                lines.append(f"\n[[{role}]]")
+                lines += [f"{k} = {json.dumps(v)}" for k, v in source.items()]
+    return "\n".join(lines) + "\n"
+
+
+# -- scoring and judging ---------------------------------------------------------------------------------------------
+def artifact_metrics(artifact_dir: Path, model_path: str, questions: list[MCQuestion]) -> dict:
+    """Accuracy, ECE, mean confidence and AUROC of an artifact on questions, scored as the gateway serves it."""
+    from training.artifact_scoring import load_served_model, option_probabilities
+    from training.scoring import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    artifact = load_artifact(artifact_dir)
+    model = load_served_model(model_path, artifact.adapter_dir)
+    probs = option_probabilities(model, tokenizer, questions, artifact.manifest.answer_format, artifact.head)
+    report = calibration_report(probs, np.array([q.answer for q in questions]), n_boot=20).as_dict()
+    # AUROC is undefined when every answer is right (or wrong): None, so the metrics stay valid JSON.
+    return {k: float(report[k]) if np.isfinite(report[k]) else None
+            for k in ("n", "accuracy", "mean_confidence", "ece_10", "auroc", "brier")}
+
+
+def artifact_confidences(artifact_dir: Path, model_path: str, questions: list[MCQuestion]) -> np.ndarray:
+    from training.artifact_scoring import load_served_model, option_probabilities
+    from training.scoring import load_tokenizer
+
+    artifact = load_artifact(artifact_dir)
+    model = load_served_model(model_path, artifact.adapter_dir)
+    probs = option_probabilities(model, load_tokenizer(model_path), questions, artifact.manifest.answer_format, artifact.head)
+    return probs.max(axis=1)
+
+
+# -- the worker ------------------------------------------------------------------------------------------------------
+class Heartbeat:
+    """Renews a job's lease every `every_s` seconds while it runs, with progress read from the run's training log."""
+
+    def __init__(self, queue: JobQueue, job: Job, worker: str, run_dir: Path, steps: int, every_s: float = 2.0):
+        self.queue, self.job, self.worker, self.run_dir, self.steps, self.every_s = queue, job, worker, run_dir, steps, every_s
+        self.stage = "preparing"
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _progress(self) -> float:
+        """0.1 for preparing, 0.1-0.8 for training (by step), 0.8-1.0 for judging."""
+        if self.stage == "judging":
+            return 0.9
+        try:
+            lines = (self.run_dir / "train_log.jsonl").read_text().splitlines()
+            step = json.loads(lines[-1])["step"] if lines else 0
+        except (OSError, ValueError, KeyError):
+            step = 0
+        return 0.1 + 0.7 * min(step / self.steps, 1.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                if not self.queue.heartbeat(self.job.id, self.worker, self._progress()):
+                    self.lost = True
+            except Exception as e:  # a database hiccup: try again next beat (the lease is longer than a beat)
+                log.warning("heartbeat failed: %s", e)
+
+    def note(self, line: str, stage: str | None = None) -> None:
+        self.stage = stage or self.stage
+        self.queue.heartbeat(self.job.id, self.worker, self._progress(), line)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
+class Worker:
+    def __init__(self, cfg: LoopConfig, db: Database, registry_root: Path, name: str | None = None,
+                 lease_s: float = 60.0, model: str | None = None):
+        self.cfg, self.model = cfg, model
+        self.queue = JobQueue(db, lease_s=lease_s)
+        self.registry = Registry(db, registry_root)
+        self.capture = Capture(db)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        self.heartbeat_s = max(min(lease_s / 4, 5.0), 0.2)
+
+    def run(self, once: bool = False, poll_s: float = 2.0) -> int:
+        """Claim and run jobs until stopped (or, with `once`, until none is waiting); returns the jobs run."""
+        done = 0
+        while True:
+            job = self.queue.claim(self.name)
+            if job is None:
+                if once:
+                    return done
+                time.sleep(poll_s)
+                continue
+            self.run_job(job)
+            done += 1
+
+    def run_job(self, job: Job) -> Job:
+        from training.config import load_config
+
+        job_dir = Path(self.cfg.runs_dir) / job.id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        train_cfg = load_config(self.cfg.train_config, out_dir=str(job_dir / "run"), model=self.model)
+        with Heartbeat(self.queue, job, self.name, job_dir / "run", train_cfg.steps, self.heartbeat_s) as beat:
+            try:
+                return self._run(job, job_dir, train_cfg, beat)
+            except Exception as e:  # the job fails with its reason; the worker goes on to the next one
+                log.exception("job %s failed", job.id)
+                return self.queue.finish(job.id, "failed", line=f"failed: {type(e).__name__}: {e}")
+
+    def _run(self, job: Job, job_dir: Path, train_cfg, beat: Heartbeat) -> Job:
+        from training.trainer import Trainer
+
+        domain = job.domain
+        if job.candidate is not None:  # registered before a crash: judge it, do not train another
+            record = self.registry.get(job.candidate)
+            return self._decide(job, record.version, record.metrics, beat)
+        parent = self.registry.serving(domain)
+        prompts = self.capture.prompts(domain)
+        calibration = captured_questions(prompts, domain)[-self.cfg.max_prompts:]
+        if len(calibration) < self.cfg.min_prompts:
+            raise CalmError(f"{len(calibration)} captured multiple-choice prompts in domain {domain!r}; the job needs "
+                            f"{self.cfg.min_prompts} (enable capture: PUT /admin/capture/{domain})")
+        calib_file = job_dir / "calibration.jsonl"
+        if not calib_file.is_file():  # a resumed job keeps the prompts it started with
+            write_questions(calib_file, calibration)
+        calibration = load_mc_file(calib_file)
+        split_path = job_split(self.cfg, train_cfg.split, domain, calib_file, job_dir / "split.toml")
+        train_cfg = train_cfg.model_copy(update={"split": str(split_path)})
+        beat.note(f"parent {parent}; {len(calibration)} captured prompts as the calibration set", "training")
+
+        trainer = Trainer(train_cfg, show_progress=False).setup()
+        if trainer.resume():
+            beat.note(f"resumed from the checkpoint at step {trainer.step}")
+        trainer.train()
+        beat.note("trained; exporting the candidate", "judging")
+        exported = trainer.export()
+        model_path = str(trainer.resolved.path)
+        tests = trainer.split.role("test_in_domain")
+        del trainer
+
+        # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
+        confidences = artifact_confidences(exported, model_path, calibration)
+        from training.artifacts import reference_histogram
+
+        manifest = load_artifact(exported).manifest
+        update_manifest(exported, reference_histograms={**manifest.reference_histograms,
+                                                        domain: reference_histogram(confidences)})
+        candidate_dir = exported
+        parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
+        if parent_artifact is not None and parent_artifact.manifest.free_form_version is not None:
+            candidate_dir = job_dir / "candidate"  # the parent's free-form mode goes on serving free-form answers
+            attach_free_form(exported, parent_artifact.path / FREE_FORM_DIR, candidate_dir)
+
+        active_m = artifact_metrics(parent_artifact.path, model_path, tests) if parent_artifact else None
+        candidate_m = artifact_metrics(candidate_dir, model_path, tests)
+        labelled = labelled_questions(prompts, domain)
+        inputs = GateInputs(candidate_m["accuracy"], active_m["accuracy"] if active_m else 0.0, len(labelled))
+        feedback = {}
+        if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None:
+            feedback = {"candidate": artifact_metrics(candidate_dir, model_path, labelled),
+                        "active": artifact_metrics(parent_artifact.path, model_path, labelled)}
+            inputs = GateInputs(inputs.candidate_accuracy, inputs.active_accuracy, len(labelled),
+                                feedback["candidate"]["ece_10"], feedback["active"]["ece_10"])
+        result = {"parent": parent, "captured_prompts": len(calibration),
+                  "in_domain": {"candidate": candidate_m, "active": active_m}, "labels": feedback,
+                  "inputs": asdict(inputs)}
+        trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"
+        record = self.registry.add(candidate_dir, trigger=trigger, domain=domain, parent=parent, job_id=job.id,
+                                   calibration_sha256=prompts_sha256([p for p in prompts if p.kind == "multiple_choice"]),
+                                   metrics=result)
+        self.queue.set_candidate(job.id, record.version)
+        return self._decide(job, record.version, result, beat)
+
+    def _decide(self, job: Job, version: str, result: dict, beat: Heartbeat) -> Job:
+        decision = gate(self.cfg, GateInputs(**result["inputs"]))
+        result = {**result, "gate": decision.as_dict()}
+        cand, active = result["in_domain"]["candidate"], result["in_domain"]["active"] or {}
+        summary = (f"candidate {version}: accuracy {cand['accuracy']:.3f} (active {active.get('accuracy', float('nan')):.3f}), "
+                   f"ECE-10 {cand['ece_10']:.3f} (active {active.get('ece_10', float('nan')):.3f}); "
+                   f"{decision.outcome}: {'; '.join(decision.reasons)}")
+        beat.note(summary)
+        if decision.outcome == "promote":
+            self.registry.promote(version, job.domain, actor=f"worker {self.name}")
+            return self.queue.finish(job.id, "promoted", candidate=version, result=result, line="promoted")
+        if decision.outcome == "reject":
+            self.registry.reject(version, "; ".join(decision.reasons))
+            return self.queue.finish(job.id, "rejected", candidate=version, result=result, line="rejected")
+        return self.queue.finish(job.id, "awaiting_operator", candidate=version, result=result,
+                                 line="awaiting the operator (calm artifacts promote)")
