@@ -485,6 +485,8 @@ def worker(
     once: Annotated[bool, typer.Option(help="run the waiting jobs, then exit")] = False,
     lease_s: Annotated[float, typer.Option(help="a running job silent this long was left by a dead worker")] = 60.0,
     name: Annotated[Optional[str], typer.Option(help="this worker's name in the jobs table")] = None,
+    launcher: Annotated[Optional[str], typer.Option(help="run training as `calm train` under this command, e.g. "
+                                                         "'accelerate launch --num_processes 4' on a GPU node")] = None,
 ):
     """Run retraining jobs: CALM on a drifting domain's captured prompts, the gate, promotion (another process than
     the gateway; several workers may share one database)."""
@@ -497,7 +499,7 @@ def worker(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings()
     runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
-                    settings.model)
+                    settings.model, launcher)
     typer.echo(f"calm worker {runner.name}: jobs from {settings.database}")
     runner.run(once=once)
 

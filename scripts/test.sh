@@ -7,12 +7,13 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CALM_HOME=${CALM_HOME:-$PWD/.calm}
 export HF_HUB_OFFLINE=1
 
-# The drift-alert test runs a real Prometheus server: Debian's package (server and promtool).
-if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+# The alerting and retraining-loop tests run a real Prometheus and a real Alertmanager: Debian's packages (servers,
+# promtool, amtool).
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  echo "installing Debian's prometheus package for the alerting tests"
-  $SUDO apt-get install -y -qq prometheus >/dev/null 2>&1 \
-    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus >/dev/null; }
+  echo "installing Debian's prometheus and prometheus-alertmanager packages for the alerting tests"
+  $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; }
 fi
 
 # The store tests run the same cases on SQLite and on a real PostgreSQL server: Debian's package (tests/postgres.py

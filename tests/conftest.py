@@ -78,3 +78,28 @@ def free_form_model(shipped_artifact, embedded_model_dir):
     if mode.adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(mode.adapter_dir)).eval()
     return model, tokenizer, mode.head
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    from tests.postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request, tmp_path):
+    """A fresh database of each backend: a SQLite file, or a PostgreSQL database emptied of every table."""
+    if request.param == "sqlite":
+        yield str(tmp_path / "g.sqlite3")
+        return
+    url = request.getfixturevalue("postgres_url")
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.begin() as c:
+        c.execute(text("DROP SCHEMA public CASCADE"))
+        c.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+    yield url

@@ -55,3 +55,22 @@ def running(argv: list[str], health_url: str, log_path: Path, env: dict | None =
 
 def calm_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "calm_cli", *args]
+
+
+@contextmanager
+def background(argv: list[str], log_path: Path, env: dict | None = None):
+    """A process without a health endpoint (the retraining worker): started, yielded, then stopped like `running`."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()

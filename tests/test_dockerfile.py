@@ -65,6 +65,26 @@ def test_compose_prometheus_config_is_valid():
     assert "target: cpu" in compose and "./deploy/prometheus:/etc/prometheus" in compose
 
 
+def test_shipped_alertmanager_routes_drift_alerts_to_the_gateway_webhook_with_the_admin_key():
+    import yaml
+
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool comes with Debian's prometheus-alertmanager package (scripts/test.sh installs it)"
+    config = REPO / "deploy/alertmanager/alertmanager.yml"
+    proc = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parsed = yaml.safe_load(config.read_text())
+    route = next(r for r in parsed["route"]["routes"] if r["receiver"] == "calm-retrain")
+    assert route["matchers"] == ['alertname="CalmConfidenceDrift"'] and "domain" in route["group_by"]
+    hook = next(r for r in parsed["receivers"] if r["name"] == "calm-retrain")["webhook_configs"][0]
+    assert hook["url"] == "http://gateway:8000/admin/alerts" and not hook["send_resolved"]
+    key_file = Path(hook["http_config"]["authorization"]["credentials_file"])
+    assert (REPO / "deploy/alertmanager" / key_file.name).read_text().strip() == "dev-admin-key"
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert compose["worker"]["environment"]["CALM_DB_URL"] == compose["gateway"]["environment"]["CALM_DB_URL"]
+    assert compose["worker"]["volumes"] == compose["gateway"]["volumes"]  # one registry folder
+
+
 def test_compose_wires_the_gateway_to_its_postgresql_service():
     import yaml
     from sqlalchemy.engine import make_url

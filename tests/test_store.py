@@ -10,29 +10,6 @@ import pytest
 from gateway.store import Store, VersionConflict
 
 
-@pytest.fixture(scope="module")
-def postgres_url():
-    from tests.postgres import postgres_server
-
-    with postgres_server() as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database(request, tmp_path):
-    """A fresh database of each backend: a SQLite file, or a clean PostgreSQL schema."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "g.sqlite3")
-        return
-    url = request.getfixturevalue("postgres_url")
-    from gateway.store import META
-
-    store = Store(url)
-    META.drop_all(store.engine)
-    store.close()
-    yield url
-
-
 def test_policies_are_versioned_audited_and_durable(database):
     store = Store(database)
     assert store.put_policy("medicine", {"threshold": 0.5}, "admin") == 1

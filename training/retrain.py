@@ -23,7 +23,9 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import socket
+import subprocess
 import threading
 import time
 import tomllib
@@ -41,7 +43,8 @@ from calm_core.errors import CalmError, ConfigError
 from calm_core.jobs import Job, JobQueue
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
-from calm_core.splits import SourceSpec, load_split
+from calm_core.models import resolve_model
+from calm_core.splits import SourceSpec, load_split, materialize
 
 log = logging.getLogger("calm.worker")
 
@@ -248,8 +251,8 @@ class Heartbeat:
 
 class Worker:
     def __init__(self, cfg: LoopConfig, db: Database, registry_root: Path, name: str | None = None,
-                 lease_s: float = 60.0, model: str | None = None):
-        self.cfg, self.model = cfg, model
+                 lease_s: float = 60.0, model: str | None = None, launcher: str | None = None):
+        self.cfg, self.model, self.launcher = cfg, model, launcher
         self.queue = JobQueue(db, lease_s=lease_s)
         self.registry = Registry(db, registry_root)
         self.capture = Capture(db)
@@ -283,8 +286,6 @@ class Worker:
                 return self.queue.finish(job.id, "failed", line=f"failed: {type(e).__name__}: {e}")
 
     def _run(self, job: Job, job_dir: Path, train_cfg, beat: Heartbeat) -> Job:
-        from training.trainer import Trainer
-
         domain = job.domain
         if job.candidate is not None:  # registered before a crash: judge it, do not train another
             record = self.registry.get(job.candidate)
@@ -303,15 +304,10 @@ class Worker:
         train_cfg = train_cfg.model_copy(update={"split": str(split_path)})
         beat.note(f"parent {parent}; {len(calibration)} captured prompts as the calibration set", "training")
 
-        trainer = Trainer(train_cfg, show_progress=False).setup()
-        if trainer.resume():
-            beat.note(f"resumed from the checkpoint at step {trainer.step}")
-        trainer.train()
-        beat.note("trained; exporting the candidate", "judging")
-        exported = trainer.export()
-        model_path = str(trainer.resolved.path)
-        tests = trainer.split.role("test_in_domain")
-        del trainer
+        exported = self._train(train_cfg, job_dir, beat)
+        beat.note("trained; judging the candidate", "judging")
+        model_path = str(resolve_model(train_cfg.model).path)
+        tests = materialize(load_split(split_path)).role("test_in_domain")
 
         # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
         confidences = artifact_confidences(exported, model_path, calibration)
@@ -345,6 +341,25 @@ class Worker:
                                    metrics=result)
         self.queue.set_candidate(job.id, record.version)
         return self._decide(job, record.version, result, beat)
+
+    def _train(self, train_cfg, job_dir: Path, beat: Heartbeat) -> Path:
+        """CALM on the job's split, resumed from its checkpoint if a worker died mid-run; the exported artifact.
+        In this process, or with `launcher` (e.g. `accelerate launch --num_processes 4`) as `calm train` under it."""
+        if self.launcher:
+            config = job_dir / "train.toml"
+            config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in train_cfg.model_dump(exclude_none=True).items()))
+            argv = [*shlex.split(self.launcher), "-m", "calm_cli", "train", "--config", str(config)]
+            beat.note("training: " + " ".join(argv))
+            with open(job_dir / "train.out", "a") as out:
+                subprocess.run(argv, check=True, stdout=out, stderr=subprocess.STDOUT)
+            return Path(train_cfg.out_dir) / "artifact"
+        from training.trainer import Trainer
+
+        trainer = Trainer(train_cfg, show_progress=False).setup()
+        if trainer.resume():
+            beat.note(f"resumed from the checkpoint at step {trainer.step}")
+        trainer.train()
+        return trainer.export()
 
     def _decide(self, job: Job, version: str, result: dict, beat: Heartbeat) -> Job:
         decision = gate(self.cfg, GateInputs(**result["inputs"]))

@@ -1,0 +1,176 @@
+"""The retraining loop's state on both backends (SQLite and a real PostgreSQL): the artifact registry, the job queue
+and traffic capture; and the promotion gate, a pure function."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from calm_core.artifact import load_artifact, update_manifest
+from calm_core.capture import Capture, CaptureSettings
+from calm_core.db import Database
+from calm_core.errors import ArtifactError
+from calm_core.jobs import JobQueue
+from calm_core.paths import BUNDLED_DIR
+from calm_core.registry import GLOBAL, Registry, RegistryError
+from training.retrain import GateInputs, LoopConfig, captured_questions, gate
+
+SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
+
+
+def artifact_copy(tmp_path, version: str):
+    """The shipped artifact under another version id (same head and adapter): a distinct registry entry."""
+    out = tmp_path / version
+    shutil.copytree(SHIPPED, out)
+    update_manifest(out, artifact_version=version)
+    return out
+
+
+def test_registry_versions_are_immutable_and_promotion_rollback_keep_one_active_per_domain(database, tmp_path):
+    db = Database(database)
+    registry = Registry(db, tmp_path / "registry")
+    default = registry.ensure_default(SHIPPED)
+    assert registry.active() == {GLOBAL: default} and registry.get(default).status == "active"
+    assert registry.ensure_default(SHIPPED) == default  # idempotent across restarts
+
+    source = artifact_copy(tmp_path, "cand-1")
+    record = registry.add(source, trigger="alert", domain="science", parent=default, job_id="j1",
+                          calibration_sha256="ab" * 32, metrics={"gate": "x"})
+    assert record.status == "candidate" and record.parent == default and record.trigger == "alert"
+    assert registry.add(source, trigger="alert").created_at == record.created_at  # registering again: the same row
+    shutil.rmtree(source)  # the registry holds its own copy
+    assert load_artifact(registry.path_of("cand-1")).manifest.artifact_version == "cand-1"
+
+    assert registry.promote("cand-1", "science", "test") is None
+    assert registry.serving("science") == "cand-1" and registry.serving("medicine") == default
+    assert registry.get("cand-1").active_for == ("science",)
+    registry.add(artifact_copy(tmp_path, "cand-2"), trigger="operator", domain="science")
+    assert registry.promote("cand-2", "science", "test") == "cand-1"
+    assert registry.get("cand-1").status == "retired" and registry.get("cand-2").status == "active"
+
+    assert registry.rollback("science", "test") == "cand-1"  # back to the version before
+    assert registry.serving("science") == "cand-1" and registry.get("cand-2").status == "retired"
+    assert registry.rollback("science", "test") is None  # the domain's first version: back to the default
+    assert registry.serving("science") == default
+    with pytest.raises(RegistryError, match="no version of its own"):
+        registry.rollback("science")
+    with pytest.raises(RegistryError, match="no earlier version"):
+        registry.rollback(GLOBAL)
+
+    registry.add(artifact_copy(tmp_path, "cand-3"), trigger="alert", domain="science")
+    registry.reject("cand-3", "accuracy below the active version's")
+    with pytest.raises(RegistryError, match="rejected"):
+        registry.promote("cand-3", "science")
+    assert registry.get("cand-3").reason == "accuracy below the active version's"
+    with pytest.raises(RegistryError, match="serving"):
+        registry.reject(default, "no")
+    with pytest.raises(RegistryError) as missing:
+        registry.promote("nope")
+    assert missing.value.status == 404
+    assert [h["action"] for h in registry.history("science")] == ["rollback", "rollback", "promote", "promote"]
+
+    # Another process (a second replica, the CLI) sees the same state.
+    other = Registry(Database(database), tmp_path / "registry")
+    assert other.active() == registry.active()
+
+
+def test_a_corrupt_artifact_is_refused_at_registration(database, tmp_path):
+    registry = Registry(Database(database), tmp_path / "registry")
+    bad = artifact_copy(tmp_path, "bad-1")
+    (bad / "alpha_head.safetensors").write_bytes(b"not a head")
+    with pytest.raises(ArtifactError, match="do not match"):
+        registry.add(bad, trigger="operator")
+    assert registry.list() == [] and not (tmp_path / "registry" / "bad-1").exists()
+
+
+def test_jobs_one_open_per_domain_leases_resume_and_give_up(database):
+    clock = [1000.0]
+    queue = JobQueue(Database(database), lease_s=60, max_attempts=2, clock=lambda: clock[0])
+    job, created = queue.enqueue("science", "alert", {"fingerprint": "f1"})
+    again, created_again = queue.enqueue("science", "alert", {"fingerprint": "f1"})
+    assert created and not created_again and again.id == job.id  # a repeated alert reuses the open job
+    clock[0] += 1
+    other, _ = queue.enqueue("medicine", "operator")
+
+    claimed = queue.claim("w1")
+    assert claimed.id == job.id and claimed.status == "running" and claimed.attempts == 1
+    assert queue.claim("w2").id == other.id
+    assert queue.claim("w3") is None  # both leased
+    assert queue.heartbeat(job.id, "w1", 0.5, "step 4")
+    assert not queue.heartbeat(job.id, "w2")  # not w2's job
+
+    clock[0] += 61  # w1 died: its lease ran out
+    resumed = queue.claim("w3")
+    assert resumed.id == job.id and resumed.worker == "w3" and resumed.attempts == 2
+    assert any("resumed by w3" in line for line in resumed.log) and resumed.progress == 0.5
+    assert not queue.heartbeat(job.id, "w1")  # the dead worker cannot take it back
+
+    clock[0] += 61
+    assert queue.claim("w4").id == other.id  # medicine's worker died too: second try
+    clock[0] += 61
+    assert queue.claim("w5") is None  # science used up its attempts: failed, not handed out again
+    failed = queue.get(job.id)
+    assert failed.status == "failed" and "gave up" in failed.log[-1]
+    assert queue.enqueue("science", "alert")[1]  # a finished job frees the domain
+
+    done = queue.finish(other.id, "promoted", candidate="v2", result={"gate": "ok"}, line="promoted")
+    assert done.status == "promoted" and done.progress == 1.0 and done.result == {"gate": "ok"}
+    assert [j.status for j in queue.list("medicine")] == ["promoted"]
+
+
+def test_capture_is_opt_in_bounded_and_deletable(database):
+    clock = [0.0]
+    capture = Capture(Database(database), clock=lambda: clock[0])
+    assert capture.settings() == {}
+    off = CaptureSettings()
+    assert not off.enabled and not off.include_answers  # the defaults: nothing kept, answers never
+
+    on = capture.configure("science", CaptureSettings(enabled=True, max_items=3, max_age_s=100))
+    for i in range(5):
+        clock[0] += 1
+        capture.add("science", on, [("multiple_choice", f"q{i}", ["a", "b"], "a")])
+    kept = capture.prompts("science")
+    assert [p.question for p in kept] == ["q2", "q3", "q4"]  # count bound: the newest 3
+    assert all(p.answer is None for p in kept)  # answers only with include_answers
+
+    capture.add_labelled("science", [("labelled q", ["x", "y"], 1)])
+    clock[0] += 1
+    capture.add("science", on, [("multiple_choice", "q5", ["a", "b"], None)])
+    assert [p.question for p in capture.prompts("science", "labelled")] == ["labelled q"]  # traffic never pushes it out
+    assert capture.prompts("science", "labelled")[0].answer == "1"
+
+    clock[0] += 200  # age bound
+    capture.add("science", on, [("free_form", "q6", None, None)])
+    assert [p.question for p in capture.prompts("science")] == ["q6"]
+    assert capture.counts() == {"science": 1}
+    assert capture.delete("science") == 1 and capture.prompts("science") == []
+
+
+def test_captured_prompts_become_unlabelled_calibration_questions_without_duplicates():
+    from calm_core.capture import CapturedPrompt
+
+    prompts = [CapturedPrompt("multiple_choice", "Q?", ("a", "b"), None, 0.0),
+               CapturedPrompt("multiple_choice", "Q?", ("a", "b"), None, 1.0),
+               CapturedPrompt("free_form", "F?", None, None, 2.0),
+               CapturedPrompt("multiple_choice", "One option?", ("a",), None, 3.0)]
+    questions = captured_questions(prompts, "science")
+    assert [(q.question, q.choices, q.domain) for q in questions] == [("Q?", ("a", "b"), "science")]
+
+
+@pytest.mark.parametrize("inputs, outcome, reason", [
+    (GateInputs(0.50, 0.55), "reject", "accuracy 0.500 below"),
+    (GateInputs(0.54, 0.55), "operator", "label-free"),
+    (GateInputs(0.54, 0.55, 80, 0.05, 0.10), "promote", "ECE 0.050"),
+    (GateInputs(0.60, 0.55, 80, 0.12, 0.10), "reject", "above the active version's"),
+    (GateInputs(0.60, 0.55, 10, 0.30, 0.10), "operator", "10 labels"),  # too few labels to judge ECE on
+])
+def test_gate(inputs, outcome, reason):
+    decision = gate(LoopConfig(accuracy_tolerance=0.02, min_feedback_labels=50), inputs)
+    assert decision.outcome == outcome and any(reason in r for r in decision.reasons), decision
+
+
+def test_gate_promotes_label_free_candidates_only_when_configured():
+    cfg = LoopConfig(auto_promote_label_free=True)
+    assert gate(cfg, GateInputs(0.6, 0.6)).outcome == "promote"
+    assert gate(cfg, GateInputs(0.5, 0.6)).outcome == "reject"  # the accuracy gate still holds

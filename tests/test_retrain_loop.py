@@ -1,0 +1,258 @@
+"""The retraining loop end to end, every part real: the gateway on the real vLLM engine and the shipped artifact, a real
+Prometheus evaluating the shipped alert rules, a real Alertmanager routing with the shipped configuration to the
+gateway's webhook, and `calm worker` training CALM on the embedded model.
+
+Shifted traffic (trivia posed as 2-way choices in the science domain) makes the drift alert fire; Alertmanager calls
+the gateway; the worker trains a smoke-sized candidate on the captured prompts, the gate passes it, it is promoted;
+later answers in that domain carry the new version and the domain's drift gauge falls back under the threshold (the
+candidate brought a reference histogram of the domain's own traffic). Then a candidate that fails its gate is not
+promoted and the promoted version keeps serving. A second test kills the worker mid-job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from calm_core.data import load_open
+from tests.servers import REPO, background, calm_argv, free_port, running
+
+pytestmark = pytest.mark.slow
+ADMIN = {"Authorization": "Bearer dev-admin-key"}
+RULES = REPO / "deploy" / "prometheus" / "alerts.yml"
+ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
+
+
+def two_way(shared_data, start: int, stop: int, seed: int) -> list[dict]:
+    """Trivia questions as 2-way multiple choice (the gold answer and one other question's), options shuffled."""
+    trivia = load_open("triviaqa", root=shared_data)
+    pool = [t.answer for t in trivia[600:900]]
+    rng = random.Random(seed)
+    out = []
+    for t in trivia[start:stop]:
+        options = [t.answer, rng.choice([a for a in pool if a != t.answer])]
+        rng.shuffle(options)
+        out.append({"id": t.id, "dataset": "trivia2", "split": "test", "question": t.question, "choices": options,
+                    "answer": options.index(t.answer), "domain": "science"})
+    return out
+
+
+def wait_until(what: str, fn, timeout: float, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory, embedded_model_dir, shared_data):
+    for tool in ("prometheus", "prometheus-alertmanager"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} not installed: scripts/test.sh installs Debian's prometheus and prometheus-alertmanager")
+    tmp = tmp_path_factory.mktemp("loop")
+    gw_port, prom_port, am_port = free_port(), free_port(), free_port()
+    gateway = f"http://127.0.0.1:{gw_port}"
+    # Labelled held-out questions of the domain's new traffic: the gate's in-domain test set, and the measurement of
+    # ECE before and after (never trained on).
+    test_file = tmp / "science-labelled.jsonl"
+    test_file.write_text("".join(json.dumps(q) + "\n" for q in two_way(shared_data, 400, 500, seed=1)))
+    (tmp / "loop.toml").write_text(f"""
+train_config = "configs/train/loop-smoke.toml"
+runs_dir = "{tmp / 'jobs'}"
+min_prompts = 40
+accuracy_tolerance = 0.05
+auto_promote_label_free = true
+[[test_sets.science]]
+dataset = "trivia2"
+split = "test"
+path = "{test_file}"
+""")
+    # The gate a candidate cannot pass: it would have to beat the active version's accuracy by a full point.
+    (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
+                                                                             "accuracy_tolerance = -1.0"))
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "50", "CALM_RAW_CONFIDENCE": "false",
+           "CALM_REGISTRY_POLL_S": "1", "CALM_KV_CACHE_MB": "128"}
+
+    # The shipped Alertmanager routing, pointed at this gateway, with this test's key file and short waits.
+    am_config = yaml.safe_load(ALERTMANAGER.read_text())
+    (tmp / "key").write_text("dev-admin-key\n")
+    for receiver in am_config["receivers"]:
+        for hook in receiver.get("webhook_configs", []):
+            hook["url"] = f"{gateway}/admin/alerts"
+            hook["http_config"]["authorization"]["credentials_file"] = str(tmp / "key")
+    for route in [am_config["route"], *am_config["route"]["routes"]]:
+        route.update(group_wait="1s", group_interval="1s")
+    (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
+    (tmp / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+rule_files: ["{RULES}"]
+scrape_configs:
+  - job_name: calm-gateway
+    static_configs: [{{targets: ["127.0.0.1:{gw_port}"]}}]
+alerting:
+  alertmanagers:
+    - static_configs: [{{targets: ["127.0.0.1:{am_port}"]}}]
+""")
+    am_argv = [shutil.which("prometheus-alertmanager"), f"--config.file={tmp / 'alertmanager.yml'}",
+               f"--storage.path={tmp / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="]
+    prom_argv = [shutil.which("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
+                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
+    worker_argv = calm_argv("worker", "--config", str(tmp / "loop.toml"), "--lease-s", "20")
+    with running(calm_argv("serve", "--port", str(gw_port)), f"{gateway}/health", tmp / "gw.log", env), \
+         running(am_argv, f"http://127.0.0.1:{am_port}/-/ready", tmp / "am.log", timeout=60), \
+         running(prom_argv, f"http://127.0.0.1:{prom_port}/-/ready", tmp / "prom.log", timeout=60), \
+         background(worker_argv, tmp / "worker.log", env) as worker:
+        yield {"gateway": gateway, "prometheus": f"http://127.0.0.1:{prom_port}", "tmp": tmp, "env": env,
+               "worker": worker}
+
+
+def ask(gateway: str, q: dict) -> dict:
+    r = httpx.post(f"{gateway}/v1/chat/completions", timeout=300, json={
+        "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": q["question"]}],
+        "options": q["choices"], "metadata": {"domain": "science"}})
+    r.raise_for_status()
+    return r.json()["choices"][0]["calibration"]
+
+
+def send(gateway: str, questions: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda q: ask(gateway, q), questions))
+
+
+def psi(gateway: str) -> float:
+    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
+        if line.startswith('calm_drift_psi{domain="science"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no drift gauge for science")
+
+
+def jobs(gateway: str, **params) -> list[dict]:
+    return httpx.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
+
+
+def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):
+    gateway, tmp = loop["gateway"], loop["tmp"]
+    r = httpx.put(f"{gateway}/admin/capture/science", json={"enabled": True}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    before_version = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+
+    shifted = two_way(shared_data, 0, 60, seed=0)
+    served = send(gateway, shifted)
+    assert {c["artifact_version"] for c in served} == {before_version}
+    psi_shifted = psi(gateway)
+    assert psi_shifted > 0.25, psi_shifted
+
+    job = wait_until("the drift alert to queue a job", lambda: (jobs(gateway, domain="science") or [None])[0], 240)
+    assert job["trigger"] == "alert" and job["detail"]["alertname"] == "CalmConfidenceDrift"
+    alerts = httpx.get(f"{loop['prometheus']}/api/v1/alerts").json()["data"]["alerts"]
+    fired = [a for a in alerts if a["labels"]["alertname"] == "CalmConfidenceDrift" and a["labels"]["domain"] == "science"]
+    assert fired and fired[0]["state"] == "firing"
+
+    done = wait_until("the job to finish", lambda: next(
+        (j for j in jobs(gateway, domain="science") if j["status"] not in ("queued", "running")), None), 600, 2)
+    assert done["status"] == "promoted", json.dumps(done, indent=1)
+    candidate = done["candidate"]
+    routes = wait_until("the gateway to serve the candidate", lambda: (
+        (h := httpx.get(f"{gateway}/health").json()["versions"]["routes"]).get("science") == candidate and h), 400, 2)
+    assert routes["*"] == before_version  # other domains keep the default
+    promoted_at = time.time()
+
+    after = send(gateway, two_way(shared_data, 60, 120, seed=2))
+    assert {c["artifact_version"] for c in after} == {candidate}
+    assert httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+        "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": "Which gas do plants take in?"}],
+        "options": ["oxygen", "carbon dioxide"], "metadata": {"domain": "medicine"}}).json()["choices"][0][
+        "calibration"]["artifact_version"] == before_version
+    psi_after = psi(gateway)
+    assert psi_after < 0.25, (psi_shifted, psi_after)
+
+    record = httpx.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
+    assert record["parent"] == before_version and record["trigger"] == "alert" and record["job_id"] == done["id"]
+    assert record["status"] == "active" and record["active_for"] == ["science"] and record["calibration_sha256"]
+    measured = {"alert_to_promotion_s": round(done["finished_at"] - done["created_at"], 1),
+                "promotion_to_serving_s": round(promoted_at - done["finished_at"], 1),
+                "psi_shifted": round(psi_shifted, 3), "psi_after": round(psi_after, 3),
+                "in_domain": done["result"]["in_domain"]}
+    (tmp / "measured.json").write_text(json.dumps(measured, indent=1))
+    print("retraining loop:", json.dumps(measured), file=sys.stderr)
+
+    # A candidate that fails its gate is rejected and the promoted version keeps serving.
+    loop["worker"].send_signal(signal.SIGTERM)
+    loop["worker"].wait(60)
+    r = httpx.post(f"{gateway}/admin/jobs", json={"domain": "science"}, headers=ADMIN)
+    assert r.status_code == 201 and r.json()["created"], r.text
+    out = subprocess.run(calm_argv("worker", "--config", str(tmp / "strict.toml"), "--once"), cwd=REPO,
+                         env={**os.environ, **loop["env"]}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rejected = httpx.get(f"{gateway}/admin/jobs/{r.json()['id']}", headers=ADMIN).json()
+    assert rejected["status"] == "rejected", json.dumps(rejected, indent=1)
+    record = httpx.get(f"{gateway}/admin/artifacts/{rejected['candidate']}", headers=ADMIN).json()
+    assert record["status"] == "rejected" and "accuracy" in record["reason"]
+    time.sleep(3)  # longer than the registry poll: nothing switches
+    assert httpx.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
+    assert {c["artifact_version"] for c in send(gateway, shifted[:4])} == {candidate}
+
+
+def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifact(tmp_path, embedded_model_dir, shared_data):
+    from calm_core.capture import Capture, CaptureSettings
+    from calm_core.db import Database
+    from calm_core.jobs import JobQueue
+    from calm_core.paths import BUNDLED_DIR
+    from calm_core.registry import Registry
+
+    db_path, registry_dir = tmp_path / "gw.sqlite3", tmp_path / "registry"
+    db = Database(db_path)
+    registry = Registry(db, registry_dir)
+    default = registry.ensure_default(BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct")
+    capture = Capture(db)
+    on = capture.configure("science", CaptureSettings(enabled=True))
+    capture.add("science", on, [("multiple_choice", q["question"], q["choices"], None) for q in two_way(shared_data, 0, 60, 0)])
+    job, _ = JobQueue(db).enqueue("science", "operator")
+    # Long enough to be killed mid-training: 40 steps, a checkpoint every 2.
+    train = tmp_path / "train.toml"
+    train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 40"))
+    (tmp_path / "loop.toml").write_text(f'train_config = "{train}"\nruns_dir = "{tmp_path / "jobs"}"\n'
+                                        "min_prompts = 40\naccuracy_tolerance = 1.0\nauto_promote_label_free = true\n")
+    env = {"CALM_DB_PATH": str(db_path), "CALM_REGISTRY_DIR": str(registry_dir)}
+    argv = calm_argv("worker", "--config", str(tmp_path / "loop.toml"), "--lease-s", "4")
+    train_log = tmp_path / "jobs" / job.id / "run" / "train_log.jsonl"
+    with background(argv, tmp_path / "worker1.log", env) as first:
+        wait_until("training to pass its first checkpoints", lambda: train_log.is_file() and
+                   len(train_log.read_text().splitlines()) >= 5, 300, 0.2)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    killed = JobQueue(db).get(job.id)
+    assert killed.status == "running" and killed.candidate is None
+    assert [r.version for r in registry.list()] == [default]  # nothing of the job's is in the registry
+    steps_before = len(train_log.read_text().splitlines())
+
+    with background(argv, tmp_path / "worker2.log", env):
+        finished = wait_until("the resumed job to finish", lambda: (j := JobQueue(db).get(job.id)).status not in
+                              ("queued", "running") and j, 600, 1)
+    assert finished.status == "promoted", finished.log
+    assert finished.attempts == 2 and any("resumed" in line for line in finished.log)
+    assert any("resumed from the checkpoint at step" in line for line in finished.log), finished.log
+    steps = [json.loads(line)["step"] for line in train_log.read_text().splitlines()]
+    assert steps[-1] == 40 and len(steps) < steps_before + 40  # it went on from the checkpoint, not from step 0
+    versions = [r.version for r in registry.list()]
+    assert len(versions) == 2 and finished.candidate in versions  # exactly one candidate, complete and loadable
+    from calm_core.artifact import load_artifact
+
+    assert load_artifact(registry.path_of(finished.candidate)).manifest.reference_histograms["science"]
+    visible = sorted(p.name for p in registry_dir.iterdir() if not p.name.startswith("."))
+    assert visible == sorted(versions)
