@@ -85,7 +85,9 @@ path = "{test_file}"
     # The gate a candidate cannot pass: it would have to beat the active version's accuracy by a full point.
     (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
                                                                              "accuracy_tolerance = -1.0"))
-    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "50", "CALM_RAW_CONFIDENCE": "false",
+    # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
+    # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
            "CALM_REGISTRY_POLL_S": "1", "CALM_KV_CACHE_MB": "128"}
 
     # The shipped Alertmanager routing, pointed at this gateway, with this test's key file and short waits.
@@ -151,7 +153,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert r.status_code == 200, r.text
     before_version = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
 
-    shifted = two_way(shared_data, 0, 60, seed=0)
+    shifted = two_way(shared_data, 0, 120, seed=0)
     served = send(gateway, shifted)
     assert {c["artifact_version"] for c in served} == {before_version}
     psi_shifted = psi(gateway)
@@ -172,7 +174,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert routes["*"] == before_version  # other domains keep the default
     promoted_at = time.time()
 
-    after = send(gateway, two_way(shared_data, 60, 120, seed=2))
+    after = send(gateway, two_way(shared_data, 120, 220, seed=2))
     assert {c["artifact_version"] for c in after} == {candidate}
     assert httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
         "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": "Which gas do plants take in?"}],

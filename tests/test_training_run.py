@@ -123,3 +123,24 @@ def test_every_registered_method_takes_two_steps_and_moves_what_it_trains(tmp_pa
         alpha_moved = any(not torch.equal(a, p) for a, p in zip(alpha, trainer.alpha.parameters()))
         assert alpha_moved == spec.trains_alpha, name
         assert trainer.alpha.scalar == (spec.head == "scalar" or cfg.head == "scalar"), name
+
+
+def test_init_from_starts_theta_and_alpha_at_the_artifact_and_refuses_another_lora_shape(tmp_path, embedded_model_dir):
+    """A retraining job continues from the serving version: before any step, the trainer's option probabilities are
+    the shipped artifact's, scored as the gateway serves it (training/artifact_scoring.py)."""
+    from calm_core.paths import BUNDLED_DIR
+    from training.artifact_scoring import load_served_model, option_probabilities
+
+    shipped = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
+    cfg = load_config("configs/train/loop-smoke.toml", out_dir=str(tmp_path / "run"), init_from=str(shipped))
+    trainer = Trainer(cfg, show_progress=False).setup()
+    data = next(iter(trainer.sets["test_in_domain"].values()))
+    artifact = load_artifact(shipped)
+    served = option_probabilities(load_served_model(str(trainer.resolved.path), artifact.adapter_dir),
+                                  trainer.tokenizer, data.questions, "cloze", artifact.head)
+    np.testing.assert_allclose(trainer.probs(data), served[:, : trainer.probs(data).shape[1]], atol=1e-4)
+    cold = Trainer(load_config("configs/train/loop-smoke.toml", out_dir=str(tmp_path / "cold")), show_progress=False).setup()
+    assert np.abs(cold.probs(data) - trainer.probs(data)).max() > 1e-2  # without it: the base model, identity head
+
+    with pytest.raises(ConfigError, match="differs from this config"):
+        Trainer(load_config(SMOKE, out_dir=str(tmp_path / "other"), init_from=str(shipped)), show_progress=False).setup()

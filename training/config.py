@@ -27,6 +27,10 @@ class TrainConfig(BaseModel):
     # generative: free-form answers (open-ended splits), the answer's tokens after the chat-templated question.
     answer_format: AnswerFormatName = "cloze"
 
+    # Start θ (the LoRA adapter) and α (the head) from this artifact instead of zero and identity: the retraining
+    # worker continues from the version serving the domain. Its adapter must have this config's LoRA shape.
+    init_from: str | None = None
+
     # LoRA on the top decoder layers only (their input is cached once per prompt).
     lora_rank: int = Field(16, gt=0)
     lora_alpha: float = 32.0

@@ -62,6 +62,10 @@ class LoopConfig(BaseModel):
     ece_tolerance: float = 0.0  # candidate ECE <= active's + this, on the domain's uploaded labels (when enough)
     min_feedback_labels: int = Field(50, ge=1)
     auto_promote_label_free: bool = False  # without enough labels: promote anyway (else the operator decides)
+    # Continue from the version serving the domain (its adapter and head) rather than from the base model: a retrain
+    # adjusts what serves to the domain's traffic in a few steps instead of relearning it. Needs the training config's
+    # LoRA shape to be the parent's.
+    warm_start: bool = True
     # Per domain: labelled in-domain test questions. A domain not listed uses the training split's in-domain tests.
     test_sets: dict[str, list[SourceSpec]] = {}
 
@@ -301,7 +305,8 @@ class Worker:
             write_questions(calib_file, calibration)
         calibration = load_mc_file(calib_file)
         split_path = job_split(self.cfg, train_cfg.split, domain, calib_file, job_dir / "split.toml")
-        train_cfg = train_cfg.model_copy(update={"split": str(split_path)})
+        start = str(self.registry.path_of(parent)) if parent and self.cfg.warm_start else None
+        train_cfg = train_cfg.model_copy(update={"split": str(split_path), "init_from": start})
         beat.note(f"parent {parent}; {len(calibration)} captured prompts as the calibration set", "training")
 
         exported = self._train(train_cfg, job_dir, beat)

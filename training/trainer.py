@@ -27,7 +27,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from calm_core.scoring import option_probs
-from calm_core.artifact import DataRef, ReferenceHistogram, save_artifact
+from calm_core.artifact import DataRef, ReferenceHistogram, load_artifact, save_artifact
 from calm_core.errors import ConfigError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
@@ -120,6 +120,8 @@ class Trainer:
         self.tracked_tokens = self.fmt.tracked_tokens(self.train_set.items).to(self.device)
         self.vocab_size = int(self.model.get_base_model().config.vocab_size)
         self.alpha = AlphaParams(self.vocab_size, scalar=cfg.head == "scalar").to(self.device)
+        if cfg.init_from:
+            self._init_from(Path(cfg.init_from))
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": self.theta, "lr": cfg.lr_theta}]
         if METHODS[cfg.method].trains_alpha:
@@ -130,6 +132,31 @@ class Trainer:
         self.calib_stream = BatchStream(self.calib_set, cfg.batch_size, cfg.seed + 1 + 7919 * rank)
         self.cft_bins = self._initial_bin_accuracy() if cfg.method == "cft" else None
         return self
+
+    def _init_from(self, path: Path) -> None:
+        """θ and α from an artifact (its adapter and head), refused unless its LoRA has this config's shape."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        artifact = load_artifact(path)
+        if artifact.adapter_dir is None:
+            raise ConfigError(f"init_from {path}: the artifact has no LoRA adapter to start from")
+        saved = json.loads((artifact.adapter_dir / "adapter_config.json").read_text())
+        ours = self.model.peft_config["default"]
+        theirs = (saved["r"], float(saved["lora_alpha"]), sorted(saved["layers_to_transform"]), sorted(saved["target_modules"]))
+        mine = (ours.r, float(ours.lora_alpha), sorted(ours.layers_to_transform), sorted(ours.target_modules))
+        if theirs != mine:
+            raise ConfigError(f"init_from {path}: its adapter (rank, alpha, layers, modules) {theirs} differs from this "
+                              f"config's {mine}")
+        if (artifact.head.kind.value == "scalar") != self.alpha.scalar:
+            raise ConfigError(f"init_from {path}: a {artifact.head.kind.value} head cannot start a {self.cfg.head} one")
+        loaded = set_peft_model_state_dict(self.model, load_file(str(artifact.adapter_dir / "adapter_model.safetensors")))
+        if getattr(loaded, "unexpected_keys", None):
+            raise ConfigError(f"init_from {path}: adapter tensors this model does not have: {loaded.unexpected_keys[:3]}")
+        start = AlphaParams.from_head(artifact.head)
+        with torch.no_grad():
+            self.alpha.log_scale.copy_(start.log_scale.to(self.device))
+            self.alpha.shift.copy_(start.shift.to(self.device))
 
     def _answer_targets(self) -> dict[str, tuple[int, ...]]:
         """Free form: the gold answer of every labelled question; the model's own greedy answer to every calibration
