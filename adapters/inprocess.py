@@ -8,7 +8,7 @@ import weakref
 from collections.abc import AsyncIterator
 
 from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
-from adapters.vllm_common import ADAPTER_NAME, OPT_OUT_KEY, EngineConfig
+from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact, read_manifest
 
 
@@ -63,6 +63,12 @@ class SharedEngines:
 
 
 SHARED = SharedEngines()
+_LORA_IDS: dict[str, int] = {}
+
+
+def lora_id(adapter_path: str) -> int:
+    """vLLM's integer id of an adapter: one per adapter folder in this process (registry versions never change)."""
+    return _LORA_IDS.setdefault(os.path.abspath(adapter_path), len(_LORA_IDS) + 1)
 
 
 class InProcessVLLMEngine:
@@ -99,8 +105,12 @@ class InProcessVLLMEngine:
             kwargs = self.config.engine_kwargs(path, lora=lora, artifact_path=head)
             if "gpu_memory_utilization" in kwargs:  # each engine takes its share of the GPU: the share is split
                 kwargs["gpu_memory_utilization"] /= len(paths)
-            key = (path, read_manifest(head or self.config.artifact_path)["head_sha256"],
-                   self.config.adapter_path if lora else None)
+            if lora:
+                # vLLM multi-LoRA: one engine on the base weights serves every version's adapter (a LoRA request per
+                # version) and head (named per request, `calm_head`), up to MAX_LORAS adapters resident at once.
+                key = (path, "multi-lora", kwargs["max_lora_rank"])
+            else:  # merged weights: shared by versions that compute the same thing (weights, and head by content)
+                key = (path, read_manifest(head or self.config.artifact_path)["head_sha256"])
 
             def build(kwargs=kwargs):
                 # In a thread: an engine takes tens of seconds to start, and a gateway loading another artifact
@@ -145,7 +155,7 @@ class InProcessVLLMEngine:
             seed=request.seed,
             stop=list(request.stop) or None,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=None if request.calibrated else {OPT_OUT_KEY: False},
+            extra_args=self._head_args(request),
             prompt_logprobs=0 if request.prompt_logprobs else None,
         )
         if request.option_token_ids:
@@ -157,6 +167,15 @@ class InProcessVLLMEngine:
         else:
             kwargs.update(logprobs=0)  # the sampled token's own log-prob
         return SamplingParams(**kwargs)
+
+    def _head_args(self, request: EngineRequest) -> dict | None:
+        """Raw requests skip the head; on the multi-LoRA base engine (shared by versions) a calibrated request names
+        its version's head; every other engine carries its own."""
+        if not request.calibrated:
+            return {OPT_OUT_KEY: False}
+        if not request.folded and not request.free_form and "adapter" not in self._engines and self.config.adapter_path:
+            return {HEAD_ARG_KEY: os.path.abspath(self.config.artifact_path)}
+        return None
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         engine = self._engine_for(request)
@@ -175,7 +194,8 @@ class InProcessVLLMEngine:
                 and self.config.adapter_path):
             from vllm.lora.request import LoRARequest
 
-            lora = LoRARequest(ADAPTER_NAME, 1, self.config.adapter_path)
+            lora = LoRARequest(f"{ADAPTER_NAME}-{self.artifact_version}", lora_id(self.config.adapter_path),
+                               self.config.adapter_path)
         try:
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)} if request.prompt_token_ids else request.prompt
             async for out in engine.generate(prompt, params, request.request_id, lora_request=lora):
@@ -205,7 +225,8 @@ class InProcessVLLMEngine:
 
     def describe(self) -> dict:
         adapter = "merged" if self.config.merged_model_path else ("lora" if self.config.adapter_path else None)
-        return {"kind": "inprocess", "engines": list(self._weights()), "adapter": adapter, **self.config.engine.as_dict()}
+        return {"kind": "inprocess", "engines": list(self._weights()), "adapter": adapter,
+                "engines_in_process": len(SHARED), **self.config.engine.as_dict()}
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -11,9 +11,11 @@ from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 ARTIFACT_ENV = "CALM_ARTIFACT"
 ARTIFACT_CONFIG_KEY = "calm_artifact"  # in vLLM's additional_config: the head of one engine
 OPT_OUT_KEY = "calm_alpha"
+HEAD_ARG_KEY = "calm_head"  # in a request's extra_args: apply this artifact's head instead of the engine's
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
 ADAPTER_NAME = "calm-adapter"  # the artifact's LoRA adapter as the vLLM server names it (a model name over HTTP)
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
+MAX_LORAS = 4  # adapters resident at once in a multi-LoRA engine (more versions: vLLM swaps them in per batch)
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,8 @@ class EngineConfig:
             additional_config={ARTIFACT_CONFIG_KEY: os.path.abspath(artifact_path or self.artifact_path)},
             **self.engine.vllm_kwargs(),
         )
-        if lora:
-            kwargs.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1)
+        if lora:  # one multi-LoRA engine for every version in this process: rank up to 64 (or this adapter's)
+            kwargs.update(enable_lora=True, max_lora_rank=max(self.max_lora_rank, 64), max_loras=MAX_LORAS)
         return kwargs
 
     def server_args(self, host: str, port: int, alpha: bool = True) -> list[str]:

@@ -70,3 +70,33 @@ def test_missing_or_mismatched_artifact_is_refused(tmp_path, monkeypatch):
     monkeypatch.delenv("CALM_ARTIFACT", raising=False)
     with pytest.raises(ValueError, match="needs \\$CALM_ARTIFACT"):
         AlphaHeadLogitsProcessor(None, torch.device("cpu"), False)
+
+
+def test_requests_may_name_another_artifacts_head_and_keep_it_through_moves(processor, tmp_path):
+    """One engine, several artifact versions: each request's row gets the head it names, the engine's own head, or
+    none, and keeps it when vLLM moves rows around."""
+    proc, head = processor
+    rng = np.random.default_rng(1)
+    other = AlphaHead(np.exp(rng.normal(size=V) * 0.5), rng.normal(size=V))
+    save_artifact(tmp_path / "b", other, base_model=BaseModelRef(id="t", weights_sha256="w"),
+                  tokenizer=TokenizerRef(sha256="t", vocab_size=V), method="test")
+    named = SamplingParams(extra_args={"calm_head": str(tmp_path / "b")})
+    AlphaHeadLogitsProcessor.validate_params(named)
+    with pytest.raises(ValueError, match="calm_head"):
+        AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_head": str(tmp_path / "nope")}))
+
+    def check3(kinds):
+        logits = torch.randn(len(kinds), V)
+        out = proc.apply(logits.clone())
+        for row, kind in enumerate(kinds):
+            h = {"own": head, "other": other}.get(kind)
+            want = logits[row] if h is None else logits[row] * torch.tensor(h.scale) + torch.tensor(h.shift)
+            torch.testing.assert_close(out[row], want)
+
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[],
+                                  added=[(0, named, None, []), (1, params(), None, []), (2, params(False), None, [])]))
+    check3(["other", "own", "raw"])
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(0, 2, MoveDirectionality.SWAP)]))
+    check3(["raw", "own", "other"])
+    proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+    check3(["other", "own"])
