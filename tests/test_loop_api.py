@@ -65,9 +65,10 @@ def make_app(tmp_path, with_loader: bool = True):
     v1 = artifact_copy(tmp_path, "v1")
     engines: dict[str, VersionEngine] = {"v1": VersionEngine("v1")}
 
-    async def load_version(version, path):
+    async def load_version(version, path):  # as calm_cli's: the artifact verified before any engine starts
+        artifact = load_artifact(path)
         engines[version] = VersionEngine(version)
-        return engines[version], load_artifact(path)
+        return engines[version], artifact
 
     settings = GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m", registry_poll_s=0.05,
                                domains=["science", "medicine"])
@@ -217,3 +218,17 @@ def test_capture_is_off_by_default_and_keeps_only_what_the_domain_opted_into(tmp
         for bad in ({}, {"enabled": "yes"}, {"enabled": True, "max_items": 0}, {"enabled": True, "extra": 1}):
             r = client.put("/admin/capture/science", json=bad, headers=ADMIN)
             assert r.status_code == 400, (bad, r.text)
+
+
+def test_a_corrupt_version_is_refused_at_load_and_the_current_one_keeps_serving(tmp_path):
+    """A registry copy damaged after registration (disk fault, a hand edit): the loader's verification refuses it,
+    /health says why, and the domain stays on the version it had."""
+    app, engines, settings = make_app(tmp_path)
+    registry = Registry(Database(settings.database), settings.registry_root)
+    registry.add(artifact_copy(tmp_path, "v2"), trigger="operator")
+    (registry.path_of("v2") / "alpha_head.safetensors").write_bytes(b"corrupt")
+    with TestClient(app) as client:
+        assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
+        assert wait_for(lambda: "v2" in app.state.deployments.problems)
+        assert "do not match the hash" in client.get("/health").json()["versions"]["problems"]["v2"]
+        assert ask(client, "science") == "v1" and "v2" not in engines
