@@ -9,8 +9,6 @@ import shutil
 import threading
 import time
 
-import httpx
-import pytest
 from fastapi.testclient import TestClient
 
 from calm_core.artifact import load_artifact, update_manifest

@@ -20,13 +20,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from calm_core.data import load_open
+from calm_core.data import load_mc, load_open
 from tests.servers import REPO, background, calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
@@ -83,8 +82,10 @@ split = "test"
 path = "{test_file}"
 """)
     # The gate a candidate cannot pass: it would have to beat the active version's accuracy by a full point.
+    strict_train = tmp / "strict-train.toml"
+    strict_train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 2"))
     (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
-                                                                             "accuracy_tolerance = -1.0"))
+                                     "accuracy_tolerance = -1.0").replace("configs/train/loop-smoke.toml", str(strict_train)))
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
     # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
@@ -147,11 +148,26 @@ def jobs(gateway: str, **params) -> list[dict]:
     return httpx.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
 
 
+def drift_alerts(prometheus: str, domain: str) -> list[dict]:
+    alerts = httpx.get(f"{prometheus}/api/v1/alerts").json()["data"]["alerts"]
+    return [a for a in alerts if a["labels"]["alertname"] == "CalmConfidenceDrift" and a["labels"].get("domain") == domain]
+
+
 def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):
-    gateway, tmp = loop["gateway"], loop["tmp"]
+    gateway, tmp, prometheus = loop["gateway"], loop["tmp"], loop["prometheus"]
+    before_version = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+
+    # In-domain first: held-out grade-school science questions, from the population the shipped version's reference
+    # histogram was built on. The alert stays quiet.
+    science = load_mc("arc_easy", "test", root=shared_data)[:30] + load_mc("arc_challenge", "test", root=shared_data)[:20]
+    send(gateway, [{"question": q.question, "choices": list(q.choices)} for q in science])
+    time.sleep(35)  # longer than the rule's `for: 30s`, so a pending alert would have fired
+    psi_in = psi(gateway)
+    assert psi_in < 0.25, psi_in
+    assert drift_alerts(prometheus, "science") == []
+
     r = httpx.put(f"{gateway}/admin/capture/science", json={"enabled": True}, headers=ADMIN)
     assert r.status_code == 200, r.text
-    before_version = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
 
     shifted = two_way(shared_data, 0, 120, seed=0)
     served = send(gateway, shifted)
@@ -161,9 +177,9 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
 
     job = wait_until("the drift alert to queue a job", lambda: (jobs(gateway, domain="science") or [None])[0], 240)
     assert job["trigger"] == "alert" and job["detail"]["alertname"] == "CalmConfidenceDrift"
-    alerts = httpx.get(f"{loop['prometheus']}/api/v1/alerts").json()["data"]["alerts"]
-    fired = [a for a in alerts if a["labels"]["alertname"] == "CalmConfidenceDrift" and a["labels"]["domain"] == "science"]
+    fired = drift_alerts(prometheus, "science")
     assert fired and fired[0]["state"] == "firing"
+    assert drift_alerts(prometheus, "medicine") == []  # domains without shifted traffic stay quiet
 
     done = wait_until("the job to finish", lambda: next(
         (j for j in jobs(gateway, domain="science") if j["status"] not in ("queued", "running")), None), 600, 2)
@@ -186,7 +202,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     record = httpx.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
     assert record["parent"] == before_version and record["trigger"] == "alert" and record["job_id"] == done["id"]
     assert record["status"] == "active" and record["active_for"] == ["science"] and record["calibration_sha256"]
-    measured = {"alert_to_promotion_s": round(done["finished_at"] - done["created_at"], 1),
+    measured = {"psi_in_domain": round(psi_in, 3), "alert_to_promotion_s": round(done["finished_at"] - done["created_at"], 1),
                 "promotion_to_serving_s": round(promoted_at - done["finished_at"], 1),
                 "psi_shifted": round(psi_shifted, 3), "psi_after": round(psi_after, 3),
                 "in_domain": done["result"]["in_domain"]}
