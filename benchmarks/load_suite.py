@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -76,12 +77,10 @@ def read_stats(prefix: Path) -> dict[str, dict]:
 
 def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    work = out / "load-work"
-    work.mkdir(exist_ok=True)
+    # The gateway's database, registry, logs and Locust's CSVs: a scratch folder (only load.json / load.md are results).
+    work = Path(tempfile.mkdtemp(prefix="calm-load-"))
     (work / "questions.json").write_text(json.dumps(questions()))
     db = work / "gateway.sqlite3"
-    for stale in work.glob("gateway.sqlite3*"):
-        stale.unlink()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {"CALM_DB_PATH": str(db), "CALM_REGISTRY_DIR": str(work / "registry")}
@@ -116,7 +115,7 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
         "policy_puts_acknowledged": counts["policy_puts"], "policy_version": policy[1] if policy else 0,
         "policy_audit_entries": audit,
         "rss_mb_after_warmup": warm[0] if warm else None, "rss_mb_end": warm[-1] if warm else None,
-        "rss_mb_max": max(warm) if warm else None, "memory_samples": samples,
+        "rss_mb_max": max(warm) if warm else None, "memory_samples": samples, "work_dir": str(work),
     }
     result["checks"] = {
         "only 200 and 429": all(s["failures"] == 0 for s in stats.values()),

@@ -9,16 +9,16 @@ appears in any test set are dropped from those roles (MMLU, for one, repeats val
 from __future__ import annotations
 
 import random
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from calm_core.data import (
     DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_mc_file, load_open, normalize_text,
 )
 from calm_core.errors import ConfigError
+from calm_core.toml_config import load_toml_model
 
 ROLES = ("train", "calibration", "test_in_domain", "test_out_of_domain")
 TEST_ROLES = ("test_in_domain", "test_out_of_domain")
@@ -103,16 +103,7 @@ class DomainSplit(BaseModel):
 
 
 def load_split(path: str | Path) -> DomainSplit:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"split config not found: {path}")
-    try:
-        return DomainSplit.model_validate(tomllib.loads(path.read_text(encoding="utf-8")))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return load_toml_model(path, DomainSplit, "split config")
 
 
 Question = MCQuestion | OpenQuestion

@@ -25,10 +25,7 @@ def free_port() -> int:
 @contextmanager
 def running(argv: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout: float = 240.0):
     """Start a process, wait until `health_url` answers 200, yield it, then stop it (SIGTERM, then SIGKILL)."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
+    with background(argv, log_path, env) as proc:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
@@ -42,15 +39,6 @@ def running(argv: list[str], health_url: str, log_path: Path, env: dict | None =
                 raise RuntimeError(f"{health_url} not healthy after {timeout}s; log:\n{log_path.read_text()[-3000:]}")
             time.sleep(1)
         yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
 
 
 def calm_argv(*args: str) -> list[str]:
@@ -59,7 +47,7 @@ def calm_argv(*args: str) -> list[str]:
 
 @contextmanager
 def background(argv: list[str], log_path: Path, env: dict | None = None):
-    """A process without a health endpoint (the retraining worker): started, yielded, then stopped like `running`."""
+    """Start a process, yield it, then stop it with its whole process group (SIGTERM, then SIGKILL after 30 s)."""
     log = open(log_path, "w")
     proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

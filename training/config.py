@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from calm_core.errors import ConfigError
+from calm_core.toml_config import load_toml_model
 from calm_core.prompts import AnswerFormatName
 
 Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
@@ -74,16 +73,4 @@ class TrainConfig(BaseModel):
 
 
 def load_config(path: str | Path, **overrides) -> TrainConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"training config not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return load_toml_model(path, TrainConfig, "training config", **overrides)

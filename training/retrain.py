@@ -28,23 +28,23 @@ import socket
 import subprocess
 import threading
 import time
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from calm_core.artifact import FREE_FORM_DIR, attach_free_form, load_artifact, update_manifest
 from calm_core.capture import Capture, CapturedPrompt, prompts_sha256
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion, load_mc_file
 from calm_core.db import Database
-from calm_core.errors import CalmError, ConfigError
+from calm_core.errors import CalmError
 from calm_core.jobs import Job, JobQueue
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
+from calm_core.toml_config import load_toml_model
 
 log = logging.getLogger("calm.worker")
 
@@ -71,18 +71,7 @@ class LoopConfig(BaseModel):
 
 
 def load_loop_config(path: str | Path, **overrides) -> LoopConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"loop config not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return LoopConfig.model_validate(data)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: invalid TOML ({e})") from None
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return load_toml_model(path, LoopConfig, "loop config", **overrides)
 
 
 # -- the gate (pure) -------------------------------------------------------------------------------------------------
