@@ -14,8 +14,8 @@ from calm_core.errors import ConfigError
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_toml_model(path: str | Path, model: type[M], what: str, **overrides) -> M:
-    """`model` validated from the TOML file at `path`, with `overrides` (those not None) replacing its values."""
+def load_toml_model(path: str | Path, config_type: type[M], what: str, **overrides) -> M:
+    """`config_type` validated from the TOML file at `path`, with `overrides` (those not None) replacing its values."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} not found: {path}")
@@ -25,7 +25,7 @@ def load_toml_model(path: str | Path, model: type[M], what: str, **overrides) ->
         raise ConfigError(f"{path}: invalid TOML ({e})") from None
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return model.model_validate(data)
+        return config_type.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None

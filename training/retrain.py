@@ -269,14 +269,14 @@ class Worker:
         from training.config import load_config
 
         job_dir = Path(self.cfg.runs_dir) / job.id
-        job_dir.mkdir(parents=True, exist_ok=True)
-        train_cfg = load_config(self.cfg.train_config, out_dir=str(job_dir / "run"), model=self.model)
-        with Heartbeat(self.queue, job, self.name, job_dir / "run", train_cfg.steps, self.heartbeat_s) as beat:
-            try:
+        try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            train_cfg = load_config(self.cfg.train_config, out_dir=str(job_dir / "run"), model=self.model)
+            with Heartbeat(self.queue, job, self.name, job_dir / "run", train_cfg.steps, self.heartbeat_s) as beat:
                 return self._run(job, job_dir, train_cfg, beat)
-            except Exception as e:  # the job fails with its reason; the worker goes on to the next one
-                log.exception("job %s failed", job.id)
-                return self.queue.finish(job.id, "failed", line=f"failed: {type(e).__name__}: {e}")
+        except Exception as e:  # the job fails with its reason; the worker goes on to the next one
+            log.exception("job %s failed", job.id)
+            return self.queue.finish(job.id, "failed", line=f"failed: {type(e).__name__}: {e}")
 
     def _run(self, job: Job, job_dir: Path, train_cfg, beat: Heartbeat) -> Job:
         domain = job.domain
