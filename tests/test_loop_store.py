@@ -174,3 +174,24 @@ def test_gate_promotes_label_free_candidates_only_when_configured():
     cfg = LoopConfig(auto_promote_label_free=True)
     assert gate(cfg, GateInputs(0.6, 0.6)).outcome == "promote"
     assert gate(cfg, GateInputs(0.5, 0.6)).outcome == "reject"  # the accuracy gate still holds
+
+
+def test_a_job_that_cannot_start_fails_with_its_reason_and_the_worker_goes_on(tmp_path):
+    from training.retrain import Worker
+
+    db = Database(tmp_path / "g.sqlite3")
+    worker = Worker(LoopConfig(train_config=str(tmp_path / "missing.toml"), runs_dir=str(tmp_path / "jobs")), db,
+                    tmp_path / "registry", name="w")
+    JobQueue(db).enqueue("science", "operator")
+    JobQueue(db).enqueue("medicine", "operator")
+    assert worker.run(once=True) == 2  # both taken, neither stopped the worker
+    jobs = JobQueue(db).list()
+    assert [j.status for j in jobs] == ["failed", "failed"]
+    assert all("training config not found" in j.log[-1] for j in jobs)
+
+
+def test_training_config_overrides_include_the_model():
+    from training.config import load_config
+
+    cfg = load_config("configs/train/loop-smoke.toml", model="/models/other", out_dir="/tmp/run", steps=None)
+    assert cfg.model == "/models/other" and cfg.out_dir == "/tmp/run" and cfg.steps == 8
