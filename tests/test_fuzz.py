@@ -33,7 +33,9 @@ def test_fuzzed_requests_get_no_5xx_and_conform_to_the_openapi_document(tmp_path
     with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp_path / "gw.log", env):
         st = [sys.executable, "-m", "schemathesis.cli", "run", f"http://127.0.0.1:{port}/openapi.json",
               "--checks", CHECKS, "--max-examples", str(examples), "--phases", "examples,coverage,fuzzing",
-              "--workers", "2", "--seed", "1", "-H", "Authorization: Bearer dev-admin-key",
+              # One worker: with threads, hypothesis's lambda descriptions hit CPython 3.11's ast race
+              # (gh-106905, "AST constructor recursion depth mismatch"), an error of the tool, not of the gateway.
+              "--workers", "1", "--seed", "1", "-H", "Authorization: Bearer dev-admin-key",
               "--suppress-health-check", "all", "--request-timeout", "120"]
         done = subprocess.run(st, capture_output=True, text=True, timeout=1800)
     summary = done.stdout[-6000:]
