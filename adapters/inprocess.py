@@ -168,14 +168,15 @@ class InProcessVLLMEngine:
             kwargs.update(logprobs=0)  # the sampled token's own log-prob
         return SamplingParams(**kwargs)
 
+    def _on_multi_lora(self, request: EngineRequest) -> bool:
+        """The request runs on the base engine shared by every version (adapter mode "lora"): it names its version's
+        adapter and head there; every other engine carries its own weights and head."""
+        return "multi-lora" in self._keys.get("base", ()) and self._engine_for(request) is self._engines["base"]
+
     def _head_args(self, request: EngineRequest) -> dict | None:
-        """Raw requests skip the head; on the multi-LoRA base engine (shared by versions) a calibrated request names
-        its version's head; every other engine carries its own."""
         if not request.calibrated:
             return {OPT_OUT_KEY: False}
-        if not request.folded and not request.free_form and "adapter" not in self._engines and self.config.adapter_path:
-            return {HEAD_ARG_KEY: os.path.abspath(self.config.artifact_path)}
-        return None
+        return {HEAD_ARG_KEY: os.path.abspath(self.config.artifact_path)} if self._on_multi_lora(request) else None
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         engine = self._engine_for(request)
@@ -190,8 +191,7 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
         started = False
         lora = None
-        if (request.adapter and not request.folded and not request.free_form and "adapter" not in self._engines
-                and self.config.adapter_path):
+        if request.adapter and self._on_multi_lora(request):
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(f"{ADAPTER_NAME}-{self.artifact_version}", lora_id(self.config.adapter_path),

@@ -61,10 +61,6 @@ class AlphaHeadLogitsProcessor(LogitsProcessor):
             self._heads[key] = self._tensors(load_artifact(key, expect_vocab_size=self.vocab).head)
         return self._heads[key]
 
-    @property
-    def opted_out(self) -> set[int]:
-        return {row for row, key in self.rows.items() if key == _RAW}
-
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams):
         args = sampling_params.extra_args or {}

@@ -3,6 +3,7 @@ and what is wrong)."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import TypeVar
@@ -29,3 +30,15 @@ def load_toml_model(path: str | Path, config_type: type[M], what: str, **overrid
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def dump_toml(data: dict) -> str:
+    """A flat config as TOML that `load_toml_model` reads back: top-level values (numbers, strings, booleans, lists
+    of those) first, then each list of tables (a split's sources) as `[[name]]` blocks. JSON's literals are TOML's for
+    these types."""
+    tables = {k: v for k, v in data.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if k not in tables]
+    for name, rows in tables.items():
+        for row in rows:
+            lines += [f"\n[[{name}]]", *(f"{k} = {json.dumps(v)}" for k, v in row.items())]
+    return "\n".join(lines) + "\n"

@@ -149,8 +149,7 @@ def create_app(
             if poller is not None:
                 poller.cancel()
             await capture_book.flush()
-            await deployments.close()
-            await engine.close()
+            await deployments.close()  # every version's engines, the default's included (or closed when it retired)
             store.close()
 
     app = FastAPI(title="CALM Gateway", version="0.1.0", lifespan=lifespan)

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,16 +66,6 @@ class Deployments:
     @property
     def default(self) -> Deployment:
         return self.loaded[self.routes[GLOBAL]]
-
-    @asynccontextmanager
-    async def use(self, domain: str):
-        """The deployment serving `domain`, held until the block ends (a swap waits for it before closing)."""
-        deployment = self.for_domain(domain)
-        deployment.in_flight += 1
-        try:
-            yield deployment
-        finally:
-            deployment.in_flight -= 1
 
     def describe(self) -> dict:
         return {"routes": dict(self.routes), "loaded": sorted(self.loaded), "problems": dict(self.problems)}

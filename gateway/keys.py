@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from gateway.cached import CachedRead
 from gateway.errors import APIError
 
 PREFIX = "calm"
@@ -64,26 +65,15 @@ class TokenBucket:
         return (1.0 - self.tokens) / self.rate
 
 
-class KeyRing:
+class KeyRing(CachedRead[dict]):
     """The client keys in force: read from the store, cached for REFRESH_S, refreshed at once on this replica's writes."""
 
     def __init__(self, store, required: bool, clock=time.monotonic):
+        super().__init__(store.active_client_keys, REFRESH_S, clock)
         self.store = store
         self.required = required
-        self.clock = clock
-        self._by_hash: dict[str, ClientKey] = {}
-        self._loaded = -1e18
         self._buckets: dict[str, TokenBucket] = {}
         self._lock = threading.Lock()
-
-    def refresh(self) -> None:
-        self._by_hash = {h: k for h, k in self.store.active_client_keys().items()}
-        self._loaded = self.clock()
-
-    def _keys(self) -> dict[str, ClientKey]:
-        if self.clock() - self._loaded > REFRESH_S:
-            self.refresh()
-        return self._by_hash
 
     def authenticate(self, authorization: str | None) -> ClientKey | None:
         """The caller's key; None when keys are not required and none was sent. 401 without a usable key."""
@@ -96,7 +86,7 @@ class KeyRing:
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "send the API key as 'Authorization: Bearer <key>'", "authentication_error",
                            code="invalid_api_key")
-        found = self._keys().get(hash_key(key.strip()))
+        found = self.get().get(hash_key(key.strip()))
         if found is None:
             if not self.required and not key.startswith(f"{PREFIX}-"):
                 return None  # development: the OpenAI client's placeholder keys ("unused", "sk-...") still pass

@@ -10,28 +10,24 @@ import time
 
 from calm_core.capture import Capture, CaptureSettings
 from calm_core.jobs import Job, JobQueue
+from gateway.cached import CachedRead
 from gateway.protocol import AlertmanagerPayload
 
 DRIFT_ALERTS = frozenset({"CalmConfidenceDrift"})  # the alerts that mean "recalibrate this domain"
 
 
-class CaptureBook:
+class CaptureBook(CachedRead[dict]):
     """Capture settings cached from the store (the request path reads them), re-read every `max_age_s` so a change
     made through another replica applies here too; writes go to a thread and are awaited on shutdown."""
 
     def __init__(self, capture: Capture, max_age_s: float = 5.0, clock=time.monotonic):
-        self.capture, self.max_age_s, self.clock = capture, max_age_s, clock
+        super().__init__(capture.settings, max_age_s, clock)
+        self.capture = capture
         self._pending: set[asyncio.Future] = set()
         self.refresh()
 
-    def refresh(self) -> None:
-        self._settings = self.capture.settings()
-        self._loaded = self.clock()
-
     def settings_for(self, domain: str) -> CaptureSettings:
-        if self.clock() - self._loaded > self.max_age_s:
-            self.refresh()
-        return self._settings.get(domain, CaptureSettings())
+        return self.get().get(domain, CaptureSettings())
 
     def add(self, domain: str, kind: str, question: str, options: list[str] | None, answer: str | None) -> None:
         settings = self.settings_for(domain)

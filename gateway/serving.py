@@ -22,6 +22,7 @@ from adapters.engine import (
 from calm_core.answers import in_cluster, semantic_choice
 from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_token_ids
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
+from gateway.cached import CachedRead
 from gateway.errors import APIError
 from gateway.guarantees import GuaranteedThresholds
 from gateway.logprobs import Position, chat_logprobs, completion_logprobs, option_position, token_positions
@@ -37,23 +38,15 @@ from gateway.retraining import CaptureBook
 from gateway.store import Store
 
 
-class PolicyBook:
+class PolicyBook(CachedRead[dict]):
     """Policies cached from the store (reads are on the hot path): refreshed at once on this replica's admin writes,
     and re-read when older than `max_age_s`, so a change made through another replica sharing the database is in
     force here within that time."""
 
     def __init__(self, store: Store, max_age_s: float = 5.0, clock=time.monotonic):
-        self.store, self.max_age_s, self.clock = store, max_age_s, clock
+        super().__init__(lambda: {d: (Policy.model_validate(body), v) for d, (body, v) in store.list_policies().items()},
+                         max_age_s, clock)
         self.refresh()
-
-    def refresh(self) -> None:
-        self._policies = {d: (Policy.model_validate(body), v) for d, (body, v) in self.store.list_policies().items()}
-        self._loaded = self.clock()
-
-    def _current(self) -> dict:
-        if self.clock() - self._loaded > self.max_age_s:
-            self.refresh()
-        return self._policies
 
     def for_domain(self, domain: str) -> tuple[Policy | None, str]:
         policy, key, version = self.in_force(domain)
@@ -61,7 +54,7 @@ class PolicyBook:
 
     def in_force(self, domain: str) -> tuple[Policy | None, str | None, int | None]:
         """The policy that applies to a domain (its own, else the default), with its key and version."""
-        policies = self._current()
+        policies = self.get()
         for key in (domain, DEFAULT_DOMAIN):
             if key in policies:
                 policy, version = policies[key]

@@ -44,7 +44,7 @@ from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
-from calm_core.toml_config import load_toml_model
+from calm_core.toml_config import dump_toml, load_toml_model
 
 log = logging.getLogger("calm.worker")
 
@@ -155,47 +155,30 @@ def job_split(cfg: LoopConfig, train_split_path: str, domain: str, calibration_f
         "calibration": [SourceSpec(dataset=f"captured:{domain}", split="live", path=str(calibration_file), labelled=False)],
         "test_in_domain": tests,
     })
-    text = json.dumps(split.model_dump(mode="json", exclude_none=True))
-    out.write_text(_toml_from_json(json.loads(text)), encoding="utf-8")
+    out.write_text(dump_toml(split.model_dump(mode="json", exclude_none=True)), encoding="utf-8")
     load_split(out)  # what was written reads back as a valid split
     return out
 
 
-def _toml_from_json(data: dict) -> str:
-    """A split as TOML (scalars first, then arrays of tables), enough for load_split."""
-    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, list)]
-    for role, sources in data.items():
-        if isinstance(sources, list):
-            for source in sources:
-                lines.append(f"\n[[{role}]]")
-                lines += [f"{k} = {json.dumps(v)}" for k, v in source.items()]
-    return "\n".join(lines) + "\n"
-
-
 # -- scoring and judging ---------------------------------------------------------------------------------------------
-def artifact_metrics(artifact_dir: Path, model_path: str, questions: list[MCQuestion]) -> dict:
-    """Accuracy, ECE, mean confidence and AUROC of an artifact on questions, scored as the gateway serves it."""
+def served_probabilities(artifact_dir: Path, model_path: str, *question_sets: list[MCQuestion]) -> list[np.ndarray]:
+    """Each set's option probabilities under an artifact, scored as the gateway serves it; the model loads once."""
     from training.artifact_scoring import load_served_model, option_probabilities
     from training.scoring import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     artifact = load_artifact(artifact_dir)
     model = load_served_model(model_path, artifact.adapter_dir)
-    probs = option_probabilities(model, tokenizer, questions, artifact.manifest.answer_format, artifact.head)
+    return [option_probabilities(model, tokenizer, qs, artifact.manifest.answer_format, artifact.head) if qs else
+            np.zeros((0, 0)) for qs in question_sets]
+
+
+def metrics_of(probs: np.ndarray, questions: list[MCQuestion]) -> dict:
+    """Accuracy, mean confidence, ECE, AUROC and Brier of one set's probabilities."""
     report = calibration_report(probs, np.array([q.answer for q in questions]), n_boot=20).as_dict()
     # AUROC is undefined when every answer is right (or wrong): None, so the metrics stay valid JSON.
     return {k: float(report[k]) if np.isfinite(report[k]) else None
             for k in ("n", "accuracy", "mean_confidence", "ece_10", "auroc", "brier")}
-
-
-def artifact_confidences(artifact_dir: Path, model_path: str, questions: list[MCQuestion]) -> np.ndarray:
-    from training.artifact_scoring import load_served_model, option_probabilities
-    from training.scoring import load_tokenizer
-
-    artifact = load_artifact(artifact_dir)
-    model = load_served_model(model_path, artifact.adapter_dir)
-    probs = option_probabilities(model, load_tokenizer(model_path), questions, artifact.manifest.answer_format, artifact.head)
-    return probs.max(axis=1)
 
 
 # -- the worker ------------------------------------------------------------------------------------------------------
@@ -205,7 +188,6 @@ class Heartbeat:
     def __init__(self, queue: JobQueue, job: Job, worker: str, run_dir: Path, steps: int, every_s: float = 2.0):
         self.queue, self.job, self.worker, self.run_dir, self.steps, self.every_s = queue, job, worker, run_dir, steps, every_s
         self.stage = "preparing"
-        self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -223,8 +205,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
             try:
-                if not self.queue.heartbeat(self.job.id, self.worker, self._progress()):
-                    self.lost = True
+                self.queue.heartbeat(self.job.id, self.worker, self._progress())
             except Exception as e:  # a database hiccup: try again next beat (the lease is longer than a beat)
                 log.warning("heartbeat failed: %s", e)
 
@@ -303,27 +284,32 @@ class Worker:
         model_path = str(resolve_model(train_cfg.model).path)
         tests = materialize(load_split(split_path)).role("test_in_domain")
 
+        parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
+        labelled = labelled_questions(prompts, domain)
+        judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
+        # One load of the candidate's weights for everything it is scored on (attaching the free-form mode below
+        # leaves its adapter and head as they are), one of the active version's.
+        cand_calib, cand_tests, cand_labels = served_probabilities(exported, model_path, calibration, tests, judged)
+        active_tests, active_labels = (served_probabilities(parent_artifact.path, model_path, tests, judged)
+                                       if parent_artifact else (None, None))
+
         # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
-        confidences = artifact_confidences(exported, model_path, calibration)
         from training.artifacts import reference_histogram
 
         manifest = load_artifact(exported).manifest
         update_manifest(exported, reference_histograms={**manifest.reference_histograms,
-                                                        domain: reference_histogram(confidences)})
+                                                        domain: reference_histogram(cand_calib.max(axis=1))})
         candidate_dir = exported
-        parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
         if parent_artifact is not None and parent_artifact.manifest.free_form_version is not None:
             candidate_dir = job_dir / "candidate"  # the parent's free-form mode goes on serving free-form answers
             attach_free_form(exported, parent_artifact.path / FREE_FORM_DIR, candidate_dir)
 
-        active_m = artifact_metrics(parent_artifact.path, model_path, tests) if parent_artifact else None
-        candidate_m = artifact_metrics(candidate_dir, model_path, tests)
-        labelled = labelled_questions(prompts, domain)
+        active_m = metrics_of(active_tests, tests) if parent_artifact else None
+        candidate_m = metrics_of(cand_tests, tests)
         inputs = GateInputs(candidate_m["accuracy"], active_m["accuracy"] if active_m else 0.0, len(labelled))
         feedback = {}
-        if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None:
-            feedback = {"candidate": artifact_metrics(candidate_dir, model_path, labelled),
-                        "active": artifact_metrics(parent_artifact.path, model_path, labelled)}
+        if judged:
+            feedback = {"candidate": metrics_of(cand_labels, judged), "active": metrics_of(active_labels, judged)}
             inputs = GateInputs(inputs.candidate_accuracy, inputs.active_accuracy, len(labelled),
                                 feedback["candidate"]["ece_10"], feedback["active"]["ece_10"])
         result = {"parent": parent, "captured_prompts": len(calibration),
@@ -341,7 +327,7 @@ class Worker:
         In this process, or with `launcher` (e.g. `accelerate launch --num_processes 4`) as `calm train` under it."""
         if self.launcher:
             config = job_dir / "train.toml"
-            config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in train_cfg.model_dump(exclude_none=True).items()))
+            config.write_text(dump_toml(train_cfg.model_dump(exclude_none=True)))
             argv = [*shlex.split(self.launcher), "-m", "calm_cli", "train", "--config", str(config)]
             beat.note("training: " + " ".join(argv))
             with open(job_dir / "train.out", "a") as out:
