@@ -1,18 +1,21 @@
 """One or more vLLM OpenAI servers over HTTP (started with `calm engine`, so the α head runs inside them).
 
-Requests go round-robin over the servers through one pooled httpx client with explicit timeouts; a server that
+Requests go round-robin over the servers through one pooled aiohttp session with explicit timeouts; a server that
 refuses the connection or times out makes the request fail fast with EngineUnavailable (the gateway answers 503).
+aiohttp rather than httpx: its C HTTP parser and plain asyncio locks cost a fraction of httpcore's per request, which
+is most of what the gateway adds on a fast upstream (benchmarks/bench_lean.py).
 Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are keyed by id, as in-process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import time
 import json
+import time
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 
 from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import OPT_OUT_KEY
@@ -97,12 +100,14 @@ class UpstreamVLLMEngine:
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
         self._down_until: dict[str, float] = {}  # upstream -> monotonic time until which it is tried last
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client: httpx.AsyncClient | None = None
+        # No total limit (a long answer streams for as long as it takes); connecting and each read are bounded.
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
+        self._max_connections = max_connections
+        self._client: aiohttp.ClientSession | None = None
 
-    async def start(self, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self._client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, transport=transport)
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
+        self._client = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
 
     def _order(self) -> list[str]:
         """Upstreams to try, round-robin from the next one, those marked down (recent failures) last."""
@@ -135,26 +140,28 @@ class UpstreamVLLMEngine:
     async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         try:
             model = self.adapter_name if request.adapter and self.adapter_name else self.model_name
-            async with self._client.stream("POST", f"{url}/v1/completions", json=_payload(model, request)) as resp:
-                if resp.status_code == 400:
-                    body = json.loads(await resp.aread() or b"{}")
+            async with self._client.post(f"{url}/v1/completions", json=_payload(model, request)) as resp:
+                if resp.status == 400:
+                    body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
-                if resp.status_code != 200:
-                    raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status_code}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: "):
+                if resp.status != 200:
+                    raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
+                # Read to the end of the body, past [DONE]: a connection whose body was left unread is closed, not
+                # reused, and a new connection per request costs more than the rest of the request.
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
                         continue
                     data = line[6:].strip()
-                    if data == "[DONE]":
-                        break
+                    if data == b"[DONE]":
+                        continue
                     chunk = json.loads(data)
                     if "error" in chunk:
                         raise EngineUnavailable(f"upstream error: {chunk['error'].get('message')}")
                     for delta in _deltas(chunk):
                         yield delta
-        except httpx.TimeoutException:
+        except asyncio.TimeoutError:
             raise _UpstreamDown(f"upstream {url} timed out") from None
-        except httpx.TransportError as e:
+        except aiohttp.ClientError as e:
             raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})") from None
 
     def describe(self) -> dict:
@@ -168,14 +175,14 @@ class UpstreamVLLMEngine:
             raise EngineUnavailable("upstream client not started")
         for url in self.urls:
             try:
-                resp = await self._client.get(f"{url}/health", timeout=httpx.Timeout(2.0))
-                if resp.status_code == 200:
-                    return
-            except httpx.HTTPError:
+                async with self._client.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
         raise EngineUnavailable(f"no upstream answers /health ({', '.join(self.urls)})")
 
     async def close(self) -> None:
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None

@@ -349,7 +349,8 @@ def serve(
     typer.echo(f"CALM Gateway on http://{settings.host}:{settings.port}  (model {settings.served_model_name}, engine {settings.engine.value})")
     # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
     # closes the engine and the database; every write was awaited before its response, so none is pending.
-    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False,
+    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False, loop="uvloop",
+                http="httptools",
                 timeout_graceful_shutdown=int(settings.drain_s) or None)
 
 

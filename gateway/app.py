@@ -12,7 +12,7 @@ from http import HTTPStatus
 
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi import Path as FastAPIPath
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
@@ -23,6 +23,7 @@ from calm_core.jobs import JobQueue
 from calm_core.registry import Registry
 from gateway.deployments import Deployment, Deployments, VersionLoader
 from gateway.errors import APIError, ErrorClass, classify, install_error_handlers, log, sse_error
+from gateway.group_commit import GroupCommit
 from gateway.guarantees import GuaranteedThresholds
 from gateway.keys import ClientKey, KeyRing, issue_key
 from gateway.limits import BodySizeLimit, InFlight, deadline
@@ -127,11 +128,12 @@ def create_app(
     capture = Capture(store)
     capture_book = CaptureBook(capture)
     policies = PolicyBook(store)
+    responses = GroupCommit(lambda rows: store.record_responses(rows))  # one writer for every version's service
     guarantees = GuaranteedThresholds(store, metrics, policies.in_force, monitor.reference, settings.risk_refit_every)
 
     def make_service(version_engine: EngineClient, loaded: LoadedArtifact) -> CalibratedService:
         return CalibratedService(settings, version_engine, tokenizer, store, monitor, ServedArtifact.of(loaded.manifest),
-                                 policies, guarantees, capture_book)
+                                 policies, guarantees, capture_book, responses)
 
     service = make_service(engine, artifact)
     deployments = Deployments(Deployment(artifact.manifest.artifact_version, service, artifact), artifacts,
@@ -161,7 +163,8 @@ def create_app(
     app.state.service = service
     app.state.deployments = deployments
 
-    def admin(authorization: str | None = Header(default=None)) -> str:
+    # Dependencies are coroutines: FastAPI runs a plain function in a worker thread, a hop per request.
+    async def admin(authorization: str | None = Header(default=None)) -> str:
         if not authorization:
             raise APIError(401, "admin key required: send 'Authorization: Bearer <key>'", "authentication_error")
         scheme, _, key = authorization.partition(" ")
@@ -172,7 +175,7 @@ def create_app(
     keyring = KeyRing(store, settings.api_keys_required)
     app.state.keyring = keyring
 
-    def client(authorization: str | None = Header(default=None)) -> ClientKey | None:
+    async def client(authorization: str | None = Header(default=None)) -> ClientKey | None:
         return keyring.authenticate(authorization)
 
     def checked_domain(domain: str) -> str:
@@ -223,7 +226,7 @@ def create_app(
             stream = held_until_done(sse(endpoint, domain, result), deployment)
             return StreamingResponse(in_flight.hold_stream(stream), media_type="text/event-stream")
         metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
-        return JSONResponse(result.model_dump())
+        return Response(result.model_dump_json(), media_type="application/json")
 
     @app.post("/v1/chat/completions", responses=documented(400, 401, 403, 404, 413, 429, 500, 503, 504))
     async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),

@@ -24,6 +24,7 @@ from calm_core.prompts import LETTERS, AnswerFormatName, ClozeTokens, letter_tok
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from gateway.cached import CachedRead
 from gateway.errors import APIError
+from gateway.group_commit import GroupCommit
 from gateway.guarantees import GuaranteedThresholds
 from gateway.logprobs import Position, chat_logprobs, completion_logprobs, option_position, token_positions
 from gateway.monitoring import DomainMonitor
@@ -120,10 +121,18 @@ def response_key(response_id: str, choice_index: int) -> str:
     return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
 
 
+def prompt_token_bound(text: str) -> int:
+    """At least as many as the prompt's tokens, without tokenizing: a token of a byte-level BPE covers at least one
+    byte, and a SentencePiece tokenizer adds at most one (its dummy prefix). Tokenizing costs more than the rest of
+    preparing a short free-form request, and most prompts are far from the context limit."""
+    return len(text.encode()) + 1
+
+
 class CalibratedService:
     def __init__(self, settings: GatewaySettings, engine: EngineClient, tokenizer, store: Store, monitor: DomainMonitor,
                  artifact: ServedArtifact = ServedArtifact(), policies: PolicyBook | None = None,
-                 guarantees: GuaranteedThresholds | None = None, capture: "CaptureBook | None" = None):
+                 guarantees: GuaranteedThresholds | None = None, capture: "CaptureBook | None" = None,
+                 responses: GroupCommit | None = None):
         self.settings = settings
         self.artifact = artifact
         self.engine = engine
@@ -132,6 +141,7 @@ class CalibratedService:
         self.monitor = monitor
         # Shared by every version's service (gateway/deployments.py): policies, risk fits and capture are per domain.
         self.policies = policies or PolicyBook(store)
+        self.responses = responses or GroupCommit(lambda rows: store.record_responses(rows))  # for feedback
         self.guarantees = guarantees or GuaranteedThresholds(store, monitor.metrics, self.policies.in_force,
                                                              monitor.reference, settings.risk_refit_every)
         self.capture = capture
@@ -180,8 +190,10 @@ class CalibratedService:
             # The longest scoring request: the prompt and all but the last token of the longest option, plus one.
             n_prompt, budget = len(prompt.cloze.prompt) + max(map(len, prompt.cloze.options)) - 1, 1
         else:
-            n_prompt = len(self.tokenizer.encode(prompt.text, add_special_tokens=False))
             budget = 1 if prompt.multiple_choice else max_tokens
+            n_prompt = prompt_token_bound(prompt.text)
+            if n_prompt + budget > self.engine.max_model_len:  # may not fit: count exactly
+                n_prompt = len(self.tokenizer.encode(prompt.text, add_special_tokens=False))
         if n_prompt + budget > self.engine.max_model_len:
             raise APIError(400, f"this model's maximum context length is {self.engine.max_model_len} tokens; the request "
                            f"has {n_prompt} prompt tokens and asks for {budget} more", param="messages",
@@ -453,7 +465,7 @@ class CalibratedService:
         """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
         requests being served meanwhile."""
         rows = [(response_key(served.response_id, i), domain, a.calibration.confidence) for i, a in enumerate(served.answers)]
-        await asyncio.to_thread(self.store.record_responses, rows)
+        await self.responses.add(rows)
 
     async def _stream(self, response_id, view, prompt, request, domain, policy, with_raw, include_usage,
                       samples=None) -> AsyncIterator[str]:

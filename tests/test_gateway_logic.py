@@ -536,3 +536,58 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
     with TestClient(app) as client:
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         assert not engine.requests[0].free_form and not engine.requests[0].calibrated and not engine.requests[0].adapter
+
+
+def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_of_a_failed_one():
+    """Callers arriving while a transaction runs share the next one; each returns only once its rows are written; a
+    failed write raises in every caller of its batch; a caller that gives up does not cancel the others' write."""
+    import asyncio
+    import threading
+
+    from gateway.group_commit import GroupCommit
+
+    written: list[list[int]] = []
+    release = threading.Event()
+
+    def write(rows):
+        release.wait(5)  # the first transaction is slow: the rest of the burst queues behind it
+        if -1 in rows:
+            raise OSError("disk full")
+        written.append(list(rows))
+
+    async def burst():
+        commit = GroupCommit(write)
+        first = asyncio.create_task(commit.add([0]))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.create_task(commit.add([i])) for i in range(1, 20)]
+        quitter = asyncio.create_task(commit.add([99]))
+        await asyncio.sleep(0.05)
+        quitter.cancel()
+        release.set()
+        await asyncio.gather(first, *rest)
+        assert written[0] == [0] and sorted(written[1]) == sorted([*range(1, 20), 99])  # 21 rows, 2 transactions
+        release.clear()
+        failing = [asyncio.create_task(commit.add([i])) for i in (-1, 5)]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(*failing, return_exceptions=True)
+
+    errors = asyncio.run(burst())
+    assert all(isinstance(e, OSError) for e in errors) and len(written) == 2
+
+
+def test_the_prompt_token_bound_is_never_below_the_token_count(embedded_model_dir):
+    """The cheap bound that spares tokenizing short prompts (gateway/serving.py) holds on real questions under the
+    chat template, in several scripts."""
+    from calm_core.data import load_open
+    from calm_core.prompts import render_chat
+    from gateway.serving import prompt_token_bound
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    texts = [q.question for q in load_open("triviaqa")[:200] + load_open("popqa")[:200]]
+    texts += ["Quelle est la capitale de la France ?", "東京は日本の首都ですか？", "Ответь: 2+2=?", "🙂" * 50, "", " \n\t"]
+    for text in texts:
+        prompt = render_chat(tokenizer, [{"role": "user", "content": text}])
+        assert prompt_token_bound(prompt) >= len(tokenizer.encode(prompt, add_special_tokens=False))

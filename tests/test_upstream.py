@@ -117,9 +117,11 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
 
 
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
-    """The failover logic at the transport: a refused connection or a 5xx moves the request to the next upstream
+    """The failover logic over real sockets: a refused connection or a 5xx moves the request to the next upstream
     before any output; the failed one is asked last for a while; all failing is a 503 naming each."""
     import asyncio
+
+    from aiohttp import web
 
     from adapters.engine import EngineRequest, EngineUnavailable, generate
     from adapters.upstream import UpstreamVLLMEngine
@@ -128,24 +130,37 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
     sse = ('data: {"choices": [{"index": 0, "text": "Paris", "finish_reason": "stop", "logprobs": null}], '
            '"usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.url.host)
-        if request.url.host == "down":
-            raise httpx.ConnectError("refused")
-        if request.url.host == "broken":
-            return httpx.Response(500, text="boom")
-        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+    def server(name: str, status: int):
+        async def completions(request: web.Request) -> web.Response:
+            seen.append(name)
+            return web.Response(status=status, text=sse if status == 200 else "boom", content_type="text/event-stream")
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        return app
 
-    async def run(urls):
+    async def run(names):
+        runners, urls = [], []
+        for name in names:
+            port = free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            if name == "down":
+                continue  # nothing listens there: connection refused
+            runner = web.AppRunner(server(name, 500 if name == "broken" else 200))
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
         engine = UpstreamVLLMEngine(urls, MODEL, "v", 2048)
-        await engine.start(transport=httpx.MockTransport(handler))
-        outs = [await generate(engine, EngineRequest(request_id=str(i), prompt="q")) for i in range(4)]
-        await engine.close()
-        return outs
+        await engine.start()
+        try:
+            return [await generate(engine, EngineRequest(request_id=str(i), prompt="q")) for i in range(4)]
+        finally:
+            await engine.close()
+            for runner in runners:
+                await runner.cleanup()
 
-    outs = asyncio.run(run(["http://down", "http://broken", "http://live"]))
+    outs = asyncio.run(run(["down", "broken", "live"]))
     assert [o.text for o in outs] == ["Paris"] * 4
-    assert seen[:3] == ["down", "broken", "live"] and seen[3:] == ["live"] * 3  # failed ones are asked last
+    assert seen == ["broken", "live", "live", "live", "live"]  # down refused; the failed ones are asked last
     seen.clear()
-    with pytest.raises(EngineUnavailable, match="down.*broken|broken.*down"):
-        asyncio.run(run(["http://down", "http://broken"]))
+    with pytest.raises(EngineUnavailable, match="unreachable.*HTTP 500"):
+        asyncio.run(run(["down", "broken"]))

@@ -1,0 +1,327 @@
+"""The gateway's request path against LiteLLM's proxy and a minimal pass-through, in front of the same engine, in one
+run with the proxies interleaved.
+
+    python benchmarks/bench_lean.py --out benchmarks/results [--profile]
+
+1. Real engine (`calm engine`: vLLM with the α head, the embedded model), free-form chat completions, greedy, at
+   concurrency 1, 8 and 32: the same questions sent directly and through each proxy, one batch per target, in
+   rounds whose order rotates, so slow drift of the machine hits all alike: throughput relative to calling the engine
+   directly, and the added latency as the median over questions of (through the proxy - direct), same question.
+2. Ceiling: each proxy pinned to one core (taskset) in front of an instant stand-in upstream
+   (benchmarks/instant_upstream.py), driven by wrk (C; it and the stand-in share the other core), rounds interleaved:
+   requests per second and median latency. `--profile` also records the gateway there with py-spy
+   (gateway-profile.txt: collapsed stacks of the thread holding the GIL).
+
+LiteLLM (`litellm[proxy]==1.108.7`, LITELLM_LOCAL_MODEL_COST_MAP=True) runs from its own virtual environment
+(benchmarks/.venv-litellm, made on first use: its pins differ from vLLM's). wrk comes from Debian (installed on first
+use when running as root). Results: lean.json and lean.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from calm_cli.serving import engine_server_command  # noqa: E402
+from calm_core.data import load_open  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
+from tests.servers import calm_argv, free_port, running  # noqa: E402
+
+MODEL = GatewaySettings.model_fields["served_model_name"].default
+LITELLM = "litellm[proxy]==1.108.7"
+LITELLM_VENV = REPO / "benchmarks" / ".venv-litellm"
+CONCURRENCY = (1, 8, 32)
+MAX_TOKENS = 16
+PROXIES = ("gateway", "litellm", "passthrough")
+
+
+def litellm_binary() -> Path:
+    binary = LITELLM_VENV / "bin" / "litellm"
+    if not binary.exists():
+        print(f"installing {LITELLM} into {LITELLM_VENV} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM], check=True)
+    return binary
+
+
+def wrk_binary() -> str:
+    if shutil.which("wrk") is None:
+        if os.geteuid() != 0:
+            raise SystemExit("wrk is needed (Debian: apt-get install wrk)")
+        subprocess.run(["apt-get", "install", "-y", "-q", "wrk"], check=True, stdout=subprocess.DEVNULL)
+    return "wrk"
+
+
+class Proxies:
+    """The three proxies in front of one upstream, each started on demand (optionally pinned to a core)."""
+
+    def __init__(self, stack: ExitStack, upstream: str, logs: Path, key: str, identity: Path, core: int | None):
+        self.stack, self.upstream, self.logs, self.key, self.core = stack, upstream, logs, key, core
+        self.identity = identity
+        self.urls: dict[str, str] = {}
+
+    def _pin(self, argv: list[str]) -> list[str]:
+        return ["taskset", "-c", str(self.core), *argv] if self.core is not None else argv
+
+    def start(self, tag: str) -> dict[str, str]:
+        gw, lt, pt = free_port(), free_port(), free_port()
+        env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([self.upstream]),
+               "CALM_DB_PATH": str(self.logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(self.identity)}
+        self.stack.enter_context(running(self._pin(calm_argv("serve", "--port", str(gw))),
+                                         f"http://127.0.0.1:{gw}/health", self.logs / f"gateway-{tag}.log", env=env))
+        config = self.logs / f"litellm-{tag}.yaml"
+        config.write_text(json.dumps({"model_list": [{"model_name": MODEL, "litellm_params": {
+            "model": f"hosted_vllm/{MODEL}", "api_base": f"{self.upstream}/v1", "api_key": "none"}}],
+            "litellm_settings": {"telemetry": False}}))
+        self.stack.enter_context(running(
+            self._pin([str(litellm_binary()), "--config", str(config), "--port", str(lt), "--num_workers", "1"]),
+            f"http://127.0.0.1:{lt}/health/liveliness", self.logs / f"litellm-{tag}.log",
+            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": self.key}, timeout=300))
+        self.stack.enter_context(running(
+            self._pin([sys.executable, str(REPO / "benchmarks" / "passthrough.py"), str(pt), self.upstream]),
+            f"http://127.0.0.1:{pt}/health", self.logs / f"passthrough-{tag}.log"))
+        self.urls = {"gateway": f"http://127.0.0.1:{gw}", "litellm": f"http://127.0.0.1:{lt}",
+                     "passthrough": f"http://127.0.0.1:{pt}"}
+        return self.urls
+
+
+def chat_body(question: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+
+
+async def batch(url: str, key: str, questions: list[str], concurrency: int) -> tuple[dict[int, float], float]:
+    """Every question through one target by `concurrency` workers: latency per question, and the wall time."""
+    latency: dict[int, float] = {}
+    work = list(enumerate(questions))
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def worker(session: aiohttp.ClientSession):
+        while work:
+            i, q = work.pop()
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/chat/completions", json=chat_body(q), headers=headers) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{url} answered {r.status}: {body[:300]!r}")
+            latency[i] = time.perf_counter() - start
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return latency, time.perf_counter() - start
+
+
+def level(targets: dict[str, str], key: str, questions: list[str], concurrency: int, rounds: int) -> dict:
+    """Rounds of one batch per target, the order rotating each round: throughput over all rounds, and per question
+    the median latency, so a proxy's added latency is paired with the direct call of the same question."""
+    names = list(targets)
+    latency = {t: {i: [] for i in range(len(questions))} for t in names}
+    wall = {t: 0.0 for t in names}
+    for r in range(rounds):
+        for t in names[r % len(names):] + names[: r % len(names)]:
+            lat, seconds = asyncio.run(batch(targets[t], key, questions, concurrency))
+            wall[t] += seconds
+            for i, x in lat.items():
+                latency[t][i].append(x)
+    per_q = {t: {i: statistics.median(xs) for i, xs in latency[t].items()} for t in names}
+    out = {t: {"n": rounds * len(questions), "rps": rounds * len(questions) / wall[t],
+               "p50_ms": 1000 * statistics.median(per_q[t].values())} for t in names}
+    for t in names:
+        if t != "direct":
+            out[t]["ratio"] = out[t]["rps"] / out["direct"]["rps"]
+            out[t]["added_p50_ms"] = 1000 * statistics.median(per_q[t][i] - per_q["direct"][i] for i in per_q[t])
+    return out
+
+
+def engine_part(logs: Path, identity: Path, key: str, questions: list[str], per_level: dict[int, int],
+                rounds: int) -> dict:
+    settings = GatewaySettings(artifact=str(identity))
+    port = free_port()
+    argv, env = engine_server_command(settings, "127.0.0.1", port)
+    upstream = f"http://127.0.0.1:{port}"
+    results = {}
+    with ExitStack() as stack:
+        stack.enter_context(running(argv, f"{upstream}/health", logs / "engine.log", env=env, timeout=300))
+        targets = {"direct": upstream, **Proxies(stack, upstream, logs, key, identity, None).start("engine")}
+        for url in targets.values():
+            asyncio.run(batch(url, key, questions[:8], 4))  # warm-up
+        for c in CONCURRENCY:
+            row = results[f"c{c}"] = level(targets, key, questions[: per_level[c]], c, rounds)
+            print(f"engine, concurrency {c}: " + ", ".join(
+                f"{t} {row[t]['rps']:.2f} rps" + (f" (x{row[t]['ratio']:.3f}, {row[t]['added_p50_ms']:+.1f} ms)"
+                                                  if t != "direct" else "") for t in row), flush=True)
+    return results
+
+
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
+"""
+
+
+def run_wrk(url: str, script: Path, seconds: int, connections: int) -> dict:
+    out = subprocess.run(["taskset", "-c", "1", wrk_binary(), "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
+                          "-s", str(script), f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", out)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "p50_ms": float(p50.group(1)) * scale, "non_2xx": int(bad.group(1)) if bad else 0,
+            "socket_errors": errors.group(1) if errors else None}
+
+
+def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int, connections: int,
+                 profile: Path | None) -> dict:
+    port = free_port()
+    upstream = f"http://127.0.0.1:{port}"
+    script = logs / "ceiling.lua"
+    script.write_text(WRK_SCRIPT.format(body=json.dumps(chat_body("What is the capital of France?")), key=key))
+    runs: dict[str, list[dict]] = {t: [] for t in PROXIES}
+    with ExitStack() as stack:
+        stack.enter_context(running(["taskset", "-c", "1", sys.executable, str(REPO / "benchmarks" / "instant_upstream.py"),
+                                     str(port)], f"{upstream}/health", logs / "instant.log"))
+        urls = Proxies(stack, upstream, logs, key, identity, 0).start("ceiling")
+        for t in PROXIES:
+            run_wrk(urls[t], script, 3, connections)  # warm-up
+        for r in range(rounds):
+            for t in PROXIES[r % len(PROXIES):] + PROXIES[: r % len(PROXIES)]:
+                runs[t].append(run_wrk(urls[t], script, seconds, connections))
+                print(f"ceiling round {r + 1}: {t} {runs[t][-1]['rps']:.0f} rps", flush=True)
+        if profile is not None:
+            gateway_pid = _listening_pid(urls["gateway"])
+            spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(gateway_pid),
+                                    "-d", str(seconds), "-r", "500", "--gil", "--nonblocking", "-f", "raw", "-o",
+                                    str(profile)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run_wrk(urls["gateway"], script, seconds + 2, connections)
+            spy.wait()
+    return {t: {"rps": statistics.median(x["rps"] for x in rs), "p50_ms": statistics.median(x["p50_ms"] for x in rs),
+                "runs": rs} for t, rs in runs.items()}
+
+
+# Stages of a request: a sample counts for the stage of its innermost frame that belongs to one.
+STAGES = (
+    ("response records (group commit, SQLite)", ("GroupCommit", "record_responses", "sqlalchemy/", "sqlite3")),
+    ("upstream call (aiohttp client, SSE parsing)", ("aiohttp/", "_stream_from", "_deltas", "_payload")),
+    ("chat template", ("prepare_chat", "render_chat", "jinja2/")),
+    ("request checks (limits, sampling parameters)", ("engine_request",)),
+    ("confidence, policy, metrics, drift", ("free_answers", "_calibration", "DomainMonitor", "prometheus_client/",
+                                            "calm_core/scoring", "policies.py")),
+    ("the rest of the gateway's own code", ("gateway/", "adapters/")),
+    ("request parsing, validation, responses (FastAPI, pydantic)", ("fastapi/", "pydantic", "starlette/")),
+    ("HTTP server (uvicorn, httptools)", ("uvicorn/", "httptools")),
+)
+OTHER = "event loop and the rest"
+
+
+def _stage(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        for name, marks in STAGES:
+            if any(m in frame for m in marks):
+                return name
+    return OTHER
+
+
+def profile_summary(collapsed: Path) -> list[tuple[str, float]]:
+    """Share of the GIL-holding samples per stage of a request, from py-spy's collapsed stacks."""
+    counts = {name: 0 for name, _ in STAGES} | {OTHER: 0}
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        counts[_stage(stack.split(";"))] += int(n)
+    total = sum(counts.values())
+    return [(name, n / total) for name, n in counts.items()]
+
+
+def _listening_pid(url: str) -> int:
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"pid=(\d+)", out).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--rounds", type=int, default=3, help="ceiling: interleaved rounds per proxy")
+    parser.add_argument("--seconds", type=int, default=10, help="ceiling: seconds per wrk run")
+    parser.add_argument("--connections", type=int, default=32, help="ceiling: concurrent connections")
+    parser.add_argument("--questions", type=int, default=96, help="engine part: questions at concurrency 32")
+    parser.add_argument("--engine-rounds", type=int, default=2, help="engine part: interleaved rounds per level")
+    parser.add_argument("--profile", action="store_true", help="record the gateway at its ceiling with py-spy")
+    parser.add_argument("--skip-engine", action="store_true", help="the ceiling only")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
+    from training.artifacts import write_identity_artifact
+
+    identity = logs / "identity-artifact"
+    if not identity.exists():
+        write_identity_artifact(identity, None, with_reference=False)
+    key = f"sk-bench-{secrets.token_hex(16)}"  # LiteLLM's master key; the others ignore it
+    questions = [q.question for q in load_open("triviaqa")][: args.questions]
+    results: dict = {"cpus": os.cpu_count(), "max_tokens": MAX_TOKENS, "litellm": LITELLM}
+    if not args.skip_engine:
+        per_level = {1: max(args.questions // 6, 8), 8: max(args.questions // 2, 16), 32: args.questions}
+        results["engine"] = engine_part(logs, identity, key, questions, per_level, args.engine_rounds)
+    results["ceiling"] = ceiling_part(logs, identity, key, args.rounds, args.seconds, args.connections,
+                                      args.out / "gateway-profile.txt" if args.profile else None)
+    results["ceiling_setup"] = {"seconds": args.seconds, "rounds": args.rounds, "connections": args.connections}
+    previous = json.loads((args.out / "lean.json").read_text()) if (args.out / "lean.json").exists() else {}
+    if args.skip_engine and "engine" in previous:
+        results["engine"], results["engine_from_earlier_run"] = previous["engine"], True
+    if args.profile:
+        results["profile"] = profile_summary(args.out / "gateway-profile.txt")
+    (args.out / "lean.json").write_text(json.dumps(results, indent=2))
+    (args.out / "lean.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    lines = [f"Free-form chat completions ({r['max_tokens']} tokens, greedy); {r['cpus']} CPUs; LiteLLM `{r['litellm']}`.", ""]
+    if "engine" in r:
+        lines += ["In front of the real engine (`calm engine`, vLLM on CPU, the embedded model); each prompt sent "
+                  "directly and through every proxy back to back:" + (" (from an earlier run)" if r.get("engine_from_earlier_run") else ""), "",
+                  "| concurrency | direct rps | " + " | ".join(f"{t} rps (ratio)" for t in PROXIES) + " | "
+                  + " | ".join(f"{t} added p50 ms" for t in PROXIES) + " |",
+                  "|---|---|" + "---|" * (2 * len(PROXIES))]
+        for c in CONCURRENCY:
+            row = r["engine"][f"c{c}"]
+            lines.append(f"| {c} | {row['direct']['rps']:.2f} | "
+                         + " | ".join(f"{row[t]['rps']:.2f} ({row[t]['ratio']:.3f})" for t in PROXIES) + " | "
+                         + " | ".join(f"{row[t]['added_p50_ms']:+.1f}" for t in PROXIES) + " |")
+        lines.append("")
+    s = r["ceiling_setup"]
+    lines += [f"Ceiling: each proxy pinned to one core, instant upstream, wrk with {s['connections']} connections, "
+              f"{s['rounds']} interleaved rounds of {s['seconds']} s (median):", "",
+              "| proxy | requests/s | p50 ms | runs (requests/s) |", "|---|---|---|---|"]
+    for t in PROXIES:
+        c = r["ceiling"][t]
+        runs = ", ".join(f"{x['rps']:.0f}" for x in c["runs"])
+        lines.append(f"| {t} | {c['rps']:.0f} | {c['p50_ms']:.1f} | {runs} |")
+    if r.get("profile"):
+        lines += ["", "Where the gateway's CPU goes at its ceiling (py-spy, samples of the thread holding the GIL):", "",
+                  "| stage | share |", "|---|---|"]
+        lines += [f"| {stage} | {100 * share:.1f} % |" for stage, share in r["profile"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
