@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,8 +50,9 @@ class FreeFormRecord:
     cluster_sizes: list[int] | None = None
 
 
-def _question_row(q: OpenQuestion) -> dict:
-    return {"id": q.id, "question": q.question, "answers": list(q.answers), "domain": serving_domain(q)}
+def _question_row(q: OpenQuestion, samples: int) -> dict:
+    return {"id": q.id, "question": q.question, "answers": list(q.answers), "domain": serving_domain(q),
+            "samples": samples}
 
 
 def generate_records(model_dir: str, artifact_dir: str, rows: list[dict], samples: int, max_tokens: int,
@@ -73,12 +75,13 @@ def generate_records(model_dir: str, artifact_dir: str, rows: list[dict], sample
         lps = [float(p[t].logprob) for t, p in zip(c.token_ids, c.logprobs)]
         records.append(FreeFormRecord(row["id"], row["domain"], c.text, is_correct(c.text, row["answers"], row["question"]),
                                       sequence_confidence(lps), float(math.exp(sum(lps))), len(lps)))
-    if samples:
+    wanted = [i for i, row in enumerate(rows) if row.get("samples", samples)]
+    if wanted:
         # No per-request seed: vLLM's CPU sampler cannot seed requests whose prefill is chunked; the engine seed holds.
-        sampled = llm.generate(prompts, SamplingParams(n=samples, max_tokens=min(max_tokens, SAMPLE_TOKENS),
-                                                       temperature=1.0, logprobs=0),
-                               use_tqdm=True)
-        for row, rec, out in zip(rows, records, sampled):
+        params = [SamplingParams(n=rows[i].get("samples", samples), max_tokens=min(max_tokens, SAMPLE_TOKENS),
+                                 temperature=1.0, logprobs=0) for i in wanted]
+        sampled = llm.generate([prompts[i] for i in wanted], params, use_tqdm=True)
+        for row, rec, out in zip([rows[i] for i in wanted], [records[i] for i in wanted], sampled):
             texts = [c.text for c in out.outputs]
             probs = [sequence_confidence([float(p[t].logprob) for t, p in zip(c.token_ids, c.logprobs)])
                      for c in out.outputs]
@@ -91,11 +94,13 @@ def generate_records(model_dir: str, artifact_dir: str, rows: list[dict], sample
 
 
 def evaluate_served(model_dir: str | Path, artifact_dir: str | Path, questions: list[OpenQuestion], samples: int = 8,
-                    max_tokens: int = MAX_TOKENS) -> list[FreeFormRecord]:
-    """Records for the questions, computed in a child process (vLLM on CPU or GPU, as the gateway runs it)."""
+                    max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = ()) -> list[FreeFormRecord]:
+    """Records for the questions, computed in a child process (vLLM on CPU or GPU, as the gateway runs it); the
+    questions whose ids are in `greedy_only` get no sampled answers (no semantic confidence)."""
     with tempfile.TemporaryDirectory() as tmp:
         qpath, rpath = Path(tmp, "questions.jsonl"), Path(tmp, "records.jsonl")
-        qpath.write_text("".join(json.dumps(_question_row(q)) + "\n" for q in questions))
+        qpath.write_text("".join(json.dumps(_question_row(q, 0 if q.id in greedy_only else samples)) + "\n"
+                                 for q in questions))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
         cmd = [sys.executable, "-m", "training.free_form_eval", "--model", str(model_dir), "--artifact",
                str(artifact_dir), "--questions", str(qpath), "--out", str(rpath), "--samples", str(samples),
@@ -107,10 +112,13 @@ def evaluate_served(model_dir: str | Path, artifact_dir: str | Path, questions: 
 
 
 def evaluate_sets(model_dir: str | Path, artifact_dir: str | Path, sets: dict[str, list[OpenQuestion]],
-                  samples: int = 8) -> dict[str, list[FreeFormRecord]]:
-    """Records per named set, every distinct question answered once, all in one child process."""
+                  samples: int = 8, sampled: Collection[str] | None = None) -> dict[str, list[FreeFormRecord]]:
+    """Records per named set, every distinct question answered once, all in one child process; `sampled`: the sets
+    whose questions also get `samples` sampled answers (default every set)."""
     unique = {q.id: q for qs in sets.values() for q in qs}
-    records = {r.id: r for r in evaluate_served(model_dir, artifact_dir, list(unique.values()), samples)}
+    with_samples = {q.id for name, qs in sets.items() if sampled is None or name in sampled for q in qs}
+    records = {r.id: r for r in evaluate_served(model_dir, artifact_dir, list(unique.values()), samples,
+                                                greedy_only=unique.keys() - with_samples)}
     return {label: [records[q.id] for q in qs] for label, qs in sets.items()}
 
 
@@ -122,7 +130,7 @@ def free_form_metrics(records: list[FreeFormRecord], n_bins: int = 10) -> dict[s
            "ece_10": binned_calibration_error(conf, correct, n_bins), "brier": float(np.mean((conf - correct) ** 2)),
            "auroc": auroc(conf, correct), "aurc": aurc(conf, correct),
            "mean_tokens": float(np.mean([r.n_tokens for r in records]))}
-    if records and records[0].semantic_confidence is not None:
+    if records and all(r.semantic_confidence is not None for r in records):
         sconf = np.array([r.semantic_confidence for r in records])
         scorrect = np.array([r.semantic_correct for r in records], dtype=float)
         out.update(sem_accuracy=float(scorrect.mean()), sem_mean_confidence=float(sconf.mean()),

@@ -5,8 +5,9 @@ Each direction is a split (configs/splits/open-popqa.toml, open-trivia.toml): tr
 calibrate on unlabelled prompts of one dataset, test on held-out questions of it (in-domain) and of the other
 (out-of-domain); the split's leakage check holds for both. Trained methods run through the same Trainer as multiple
 choice (answer format "generative"); every row is evaluated the same way, as served: vLLM on the merged weights with
-the row's α head (training/free_form_eval.py), greedy answers for accuracy and token confidence, `samples` sampled
-answers for semantic confidence.
+the row's α head (training/free_form_eval.py), greedy answers for accuracy and token confidence, and out of domain
+`samples` sampled answers for semantic confidence (sampling is most of the evaluation's cost; the targets are out of
+domain, so in-domain rows report token confidence only).
 
 Post-hoc rows reuse the SFT model: sft+temperature fits T on the gold answers of the (labelled) calibration questions;
 sft+daca fits T label-free where the model before fine-tuning and the SFT model predict the same next token, at the
@@ -14,7 +15,8 @@ positions of the initial model's greedy answers to the calibration prompts. The 
 both directions test on the same questions, in swapped roles.
 
 The report resumes: rerun with the same configuration and it keeps the rows `report.json` already holds (the 3-seed
-report takes hours on 2 cores).
+report takes hours on 2 cores). Each row's training, fitting and evaluation time is kept with it, so `total_seconds`
+is the report's cost on the machine that ran it, across resumed runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -57,8 +60,9 @@ def _test_questions(trainer: Trainer, limit: int | None = None) -> dict[str, lis
 
 
 def _evaluate(model_dir, artifact_dir, tests: dict[str, list], samples: int) -> tuple[dict, dict]:
-    """Metrics per role, and the records (for plots)."""
-    per_role = evaluate_sets(model_dir, artifact_dir, tests, samples)
+    """Metrics per role, and the records (for plots). Sampled answers (semantic confidence) out of domain only: the
+    targets are there, and sampling is most of an evaluation's cost (in-domain rows report token confidence)."""
+    per_role = evaluate_sets(model_dir, artifact_dir, tests, samples, sampled={"out_of_domain"})
     return {name: free_form_metrics(recs) for name, recs in per_role.items()}, per_role
 
 
@@ -113,28 +117,39 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
             cfg = TrainConfig.model_validate({**base.model_dump(), "method": method, "seed": seed, "split": split,
                                               "answer_format": "generative", "out_dir": str(run_dir),
                                               **({"steps": steps} if steps else {})})
+            started = time.monotonic()
             trainer = Trainer(cfg).setup()
             tests = _test_questions(trainer, limit)
             if "uncalibrated" not in results[direction]["_done"]:
+                clock = time.monotonic()
                 metrics, recs = _uncalibrated(trainer, tests, samples, out)
-                for s in seeds:
-                    results[direction]["uncalibrated"][s] = metrics
+                for s in seeds:  # one measurement, shown for every seed; its time counted once
+                    results[direction]["uncalibrated"][s] = {**metrics, "seconds": {"evaluate": 0.0}}
+                results[direction]["uncalibrated"][seeds[0]]["seconds"]["evaluate"] = time.monotonic() - clock
                 pooled[direction]["uncalibrated"] = recs["out_of_domain"]
                 results[direction]["_done"].append("uncalibrated")
+                started += time.monotonic() - clock
             trainer.resume()
             trainer.train()
             artifact = trainer.export()
+            clock = time.monotonic()
             temps = posthoc_temperatures(trainer) if method == "sft" else {}
+            fitting = (time.monotonic() - clock) / max(len(temps), 1)
+            train_seconds = clock - started
             with tempfile.TemporaryDirectory() as tmp:
+                clock = time.monotonic()
                 merged = trainer.write_merged(Path(tmp, "merged"))
                 metrics, recs = _evaluate(merged, artifact, tests, samples)
+                metrics["seconds"] = {"train": train_seconds, "evaluate": time.monotonic() - clock}
                 results[direction][method][seed] = metrics
                 if seed == seeds[0]:
                     pooled[direction][method] = recs["out_of_domain"]
                 for row, t in temps.items():
+                    clock = time.monotonic()
                     head_dir = _head_artifact(Path(tmp, row.replace("+", "-")), trainer, AlphaHead.scalar(t), row)
                     metrics, recs = _evaluate(merged, head_dir, tests, samples)
                     metrics["in_domain"]["fitted_temperature"] = t
+                    metrics["seconds"] = {"fit": fitting, "evaluate": time.monotonic() - clock}
                     results[direction][row][seed] = metrics
                     if seed == seeds[0]:
                         pooled[direction][row] = recs["out_of_domain"]
@@ -189,8 +204,13 @@ def _aggregate(by_seed: dict[int, dict]) -> dict:
 
 def _write(out: Path, base: TrainConfig, seeds: list[int], steps: int | None, samples: int, limit: int | None,
            results: dict, pooled: dict) -> None:
+    seconds = {d: {row: sum(sum(m.get("seconds", {}).values()) for m in r.values())
+                   for row, r in rows.items() if row != "_done" and r} for d, rows in results.items()}
     summary = {"config": base.model_dump(), "seeds": seeds, "steps": steps or base.steps, "samples": samples,
                "questions_per_role": limit,
+               # Time spent on each row's training, fitting and evaluation, summed over seeds and over resumed runs:
+               # the report's cost on this machine, whichever sessions it ran in.
+               "seconds": seconds, "total_seconds": sum(sum(r.values()) for r in seconds.values()),
                "table": {d: {row: _aggregate(r) for row, r in rows.items() if row != "_done" and r}
                          for d, rows in results.items()},
                "per_seed": {d: {row: r for row, r in rows.items() if row != "_done"} for d, rows in results.items()}}
@@ -214,7 +234,10 @@ def markdown(summary: dict) -> str:
              f"semantic confidence from {summary['samples']} samples", "",
              "Token confidence: exp(mean calibrated log-prob) of the greedy answer; Sem-: the semantic answer and its "
              "cluster's share. ECE with 10 bins; Brier, AUROC and AURC of the token confidence. Mean ± std over seeds; "
-             f"{summary.get('questions_per_role') or 200} test questions per role; n/a: AUROC of a set with no right answer.", ""]
+             f"{summary.get('questions_per_role') or 200} test questions per role; n/a: AUROC of a set with no right answer; "
+             "–: not measured (semantic confidence is sampled out of domain only).", "",
+             f"Compute: {summary.get('total_seconds', 0) / 60:.0f} min of training, fitting and evaluation in all "
+             "(summed over rows, seeds and resumed runs).", ""]
     cell = lambda v: "n/a" if v["mean"] != v["mean"] else f"{v['mean']:.3f} ± {v['std']:.3f}"  # noqa: E731  (NaN: AUROC of an all-wrong set)
     for direction, rows in summary["table"].items():
         if not rows:
