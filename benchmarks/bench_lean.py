@@ -1,16 +1,19 @@
 """The gateway's request path against LiteLLM's proxy and a minimal pass-through, in front of the same engine, in one
 run with the proxies interleaved.
 
-    python benchmarks/bench_lean.py --out benchmarks/results [--profile]
+    python benchmarks/bench_lean.py --out benchmarks/results [--profile] [--parts engine_shared engine_own_core ceiling]
 
 1. Real engine (`calm engine`: vLLM with the α head, the embedded model), free-form chat completions, greedy, at
    concurrency 1, 8 and 32: the same questions sent directly and through each proxy, one batch per target, in
    rounds whose order rotates, so slow drift of the machine hits all alike: throughput relative to calling the engine
    directly, and the added latency as the median over questions of (through the proxy - direct), same question.
+   Twice: with engine, proxies and clients sharing both cores (a CPU engine's OpenMP threads then delay every other
+   process), and with the engine alone on core 1 and the rest on core 0 (as a GPU engine leaves the host's cores to
+   the proxy).
 2. Ceiling: each proxy pinned to one core (taskset) in front of an instant stand-in upstream
    (benchmarks/instant_upstream.py), driven by wrk (C; it and the stand-in share the other core), rounds interleaved:
    requests per second and median latency. `--profile` also records the gateway there with py-spy
-   (gateway-profile.txt: collapsed stacks of the thread holding the GIL).
+   (logs/gateway-profile.txt: collapsed stacks of the thread holding the GIL; lean.md sums them by stage).
 
 LiteLLM (`litellm[proxy]==1.108.7`, LITELLM_LOCAL_MODEL_COST_MAP=True) runs from its own virtual environment
 (benchmarks/.venv-litellm, made on first use: its pins differ from vLLM's). wrk comes from Debian (installed on first
@@ -101,12 +104,20 @@ class Proxies:
         return self.urls
 
 
-def chat_body(question: str) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+def chat_body(question: str, logprobs: bool = False) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
             "temperature": 0}
+    # What the gateway asks of the engine for a confidence: the answer's log-probs, 5 alternatives (for entropy).
+    return {**body, "logprobs": True, "top_logprobs": 5} if logprobs else body
 
 
-async def batch(url: str, key: str, questions: list[str], concurrency: int) -> tuple[dict[int, float], float]:
+# The baseline each proxy is compared with: the engine doing the same work. The gateway's confidence needs the
+# answer's log-probs, which the engine computes at a cost of its own (the proxies forward plain requests).
+BASELINE = {"gateway": "direct+logprobs", "litellm": "direct", "passthrough": "direct"}
+
+
+async def batch(url: str, key: str, questions: list[str], concurrency: int,
+                logprobs: bool = False) -> tuple[dict[int, float], float]:
     """Every question through one target by `concurrency` workers: latency per question, and the wall time."""
     latency: dict[int, float] = {}
     work = list(enumerate(questions))
@@ -116,7 +127,7 @@ async def batch(url: str, key: str, questions: list[str], concurrency: int) -> t
         while work:
             i, q = work.pop()
             start = time.perf_counter()
-            async with session.post(f"{url}/v1/chat/completions", json=chat_body(q), headers=headers) as r:
+            async with session.post(f"{url}/v1/chat/completions", json=chat_body(q, logprobs), headers=headers) as r:
                 body = await r.read()
                 if r.status != 200:
                     raise RuntimeError(f"{url} answered {r.status}: {body[:300]!r}")
@@ -136,37 +147,44 @@ def level(targets: dict[str, str], key: str, questions: list[str], concurrency: 
     wall = {t: 0.0 for t in names}
     for r in range(rounds):
         for t in names[r % len(names):] + names[: r % len(names)]:
-            lat, seconds = asyncio.run(batch(targets[t], key, questions, concurrency))
+            lat, seconds = asyncio.run(batch(targets[t], key, questions, concurrency, t == "direct+logprobs"))
             wall[t] += seconds
             for i, x in lat.items():
                 latency[t][i].append(x)
     per_q = {t: {i: statistics.median(xs) for i, xs in latency[t].items()} for t in names}
     out = {t: {"n": rounds * len(questions), "rps": rounds * len(questions) / wall[t],
                "p50_ms": 1000 * statistics.median(per_q[t].values())} for t in names}
-    for t in names:
-        if t != "direct":
-            out[t]["ratio"] = out[t]["rps"] / out["direct"]["rps"]
-            out[t]["added_p50_ms"] = 1000 * statistics.median(per_q[t][i] - per_q["direct"][i] for i in per_q[t])
+    for t, base in BASELINE.items():
+        for name, of in (("", base), ("_vs_direct", "direct")):
+            out[t]["ratio" + name] = out[t]["rps"] / out[of]["rps"]
+            out[t]["added_p50_ms" + name] = 1000 * statistics.median(per_q[t][i] - per_q[of][i] for i in per_q[t])
     return out
 
 
 def engine_part(logs: Path, identity: Path, key: str, questions: list[str], per_level: dict[int, int],
-                rounds: int) -> dict:
+                rounds: int, own_core: bool) -> dict:
+    """`own_core`: the engine pinned to core 1 (its OpenMP threads bound there), proxies and clients to core 0, as a
+    GPU engine leaves the host's cores to the proxy; otherwise everything shares every core."""
     settings = GatewaySettings(artifact=str(identity))
     port = free_port()
     argv, env = engine_server_command(settings, "127.0.0.1", port)
+    if own_core:
+        argv, env = ["taskset", "-c", "1", *argv], {**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+        os.sched_setaffinity(0, {0})
     upstream = f"http://127.0.0.1:{port}"
     results = {}
     with ExitStack() as stack:
         stack.enter_context(running(argv, f"{upstream}/health", logs / "engine.log", env=env, timeout=300))
-        targets = {"direct": upstream, **Proxies(stack, upstream, logs, key, identity, None).start("engine")}
+        proxies = Proxies(stack, upstream, logs, key, identity, 0 if own_core else None)
+        targets = {"direct": upstream, "direct+logprobs": upstream, **proxies.start("own-core" if own_core else "shared")}
         for url in targets.values():
             asyncio.run(batch(url, key, questions[:8], 4))  # warm-up
         for c in CONCURRENCY:
             row = results[f"c{c}"] = level(targets, key, questions[: per_level[c]], c, rounds)
             print(f"engine, concurrency {c}: " + ", ".join(
                 f"{t} {row[t]['rps']:.2f} rps" + (f" (x{row[t]['ratio']:.3f}, {row[t]['added_p50_ms']:+.1f} ms)"
-                                                  if t != "direct" else "") for t in row), flush=True)
+                                                  if t in BASELINE else "") for t in row), flush=True)
+    os.sched_setaffinity(0, range(os.cpu_count()))
     return results
 
 
@@ -196,6 +214,7 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
     script = logs / "ceiling.lua"
     script.write_text(WRK_SCRIPT.format(body=json.dumps(chat_body("What is the capital of France?")), key=key))
     runs: dict[str, list[dict]] = {t: [] for t in PROXIES}
+    alone: dict[str, list[float]] = {t: [] for t in ("direct", *PROXIES)}  # p50 at concurrency 1
     with ExitStack() as stack:
         stack.enter_context(running(["taskset", "-c", "1", sys.executable, str(REPO / "benchmarks" / "instant_upstream.py"),
                                      str(port)], f"{upstream}/health", logs / "instant.log"))
@@ -206,6 +225,9 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
             for t in PROXIES[r % len(PROXIES):] + PROXIES[: r % len(PROXIES)]:
                 runs[t].append(run_wrk(urls[t], script, seconds, connections))
                 print(f"ceiling round {r + 1}: {t} {runs[t][-1]['rps']:.0f} rps", flush=True)
+            # One request at a time: the latency a proxy adds by itself (no engine time, no queueing).
+            for t, url in {"direct": upstream, **urls}.items():
+                alone[t].append(run_wrk(url, script, max(seconds // 2, 3), 1)["p50_ms"])
         if profile is not None:
             gateway_pid = _listening_pid(urls["gateway"])
             spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(gateway_pid),
@@ -213,8 +235,14 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
                                     str(profile)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             run_wrk(urls["gateway"], script, seconds + 2, connections)
             spy.wait()
-    return {t: {"rps": statistics.median(x["rps"] for x in rs), "p50_ms": statistics.median(x["p50_ms"] for x in rs),
-                "runs": rs} for t, rs in runs.items()}
+    out = {t: {"rps": statistics.median(x["rps"] for x in rs), "p50_ms": statistics.median(x["p50_ms"] for x in rs),
+               "runs": rs} for t, rs in runs.items()}
+    direct = statistics.median(alone["direct"])
+    for t in PROXIES:
+        out[t]["c1_p50_ms"] = statistics.median(alone[t])
+        out[t]["c1_added_ms"] = out[t]["c1_p50_ms"] - direct
+    out["direct_c1_p50_ms"] = direct
+    return out
 
 
 # Stages of a request: a sample counts for the stage of its innermost frame that belongs to one.
@@ -265,7 +293,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=96, help="engine part: questions at concurrency 32")
     parser.add_argument("--engine-rounds", type=int, default=2, help="engine part: interleaved rounds per level")
     parser.add_argument("--profile", action="store_true", help="record the gateway at its ceiling with py-spy")
-    parser.add_argument("--skip-engine", action="store_true", help="the ceiling only")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=["engine_own_core", "ceiling"],
+                        help="what to measure now; the others are kept from the last run's lean.json")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
@@ -277,45 +306,62 @@ def main() -> None:
         write_identity_artifact(identity, None, with_reference=False)
     key = f"sk-bench-{secrets.token_hex(16)}"  # LiteLLM's master key; the others ignore it
     questions = [q.question for q in load_open("triviaqa")][: args.questions]
-    results: dict = {"cpus": os.cpu_count(), "max_tokens": MAX_TOKENS, "litellm": LITELLM}
-    if not args.skip_engine:
-        per_level = {1: max(args.questions // 6, 8), 8: max(args.questions // 2, 16), 32: args.questions}
-        results["engine"] = engine_part(logs, identity, key, questions, per_level, args.engine_rounds)
-    results["ceiling"] = ceiling_part(logs, identity, key, args.rounds, args.seconds, args.connections,
-                                      args.out / "gateway-profile.txt" if args.profile else None)
-    results["ceiling_setup"] = {"seconds": args.seconds, "rounds": args.rounds, "connections": args.connections}
+    per_level = {1: max(args.questions // 6, 8), 8: max(args.questions // 2, 16), 32: args.questions}
     previous = json.loads((args.out / "lean.json").read_text()) if (args.out / "lean.json").exists() else {}
-    if args.skip_engine and "engine" in previous:
-        results["engine"], results["engine_from_earlier_run"] = previous["engine"], True
-    if args.profile:
-        results["profile"] = profile_summary(args.out / "gateway-profile.txt")
+    results: dict = {**previous, "cpus": os.cpu_count(), "max_tokens": MAX_TOKENS, "litellm": LITELLM}
+    results.setdefault("measured_at", {})
+    for part in args.parts:
+        if part == "ceiling":
+            results[part] = ceiling_part(logs, identity, key, args.rounds, args.seconds, args.connections,
+                                         logs / "gateway-profile.txt" if args.profile else None)
+            results["ceiling_setup"] = {"seconds": args.seconds, "rounds": args.rounds, "connections": args.connections}
+            if args.profile:
+                results["profile"] = profile_summary(logs / "gateway-profile.txt")
+        else:
+            results[part] = engine_part(logs, identity, key, questions, per_level, args.engine_rounds,
+                                        own_core=part == "engine_own_core")
+        results["measured_at"][part] = time.strftime("%Y-%m-%d %H:%M")
     (args.out / "lean.json").write_text(json.dumps(results, indent=2))
     (args.out / "lean.md").write_text(markdown(results))
     print(markdown(results))
 
 
+PARTS = ("engine_shared", "engine_own_core", "ceiling")
+ENGINE_SETUPS = {"engine_shared": "engine, proxies and clients sharing both cores",
+                 "engine_own_core": "the engine on core 1 alone, proxies and clients on core 0"}
+
+
 def markdown(r: dict) -> str:
     lines = [f"Free-form chat completions ({r['max_tokens']} tokens, greedy); {r['cpus']} CPUs; LiteLLM `{r['litellm']}`.", ""]
-    if "engine" in r:
-        lines += ["In front of the real engine (`calm engine`, vLLM on CPU, the embedded model); each prompt sent "
-                  "directly and through every proxy back to back:" + (" (from an earlier run)" if r.get("engine_from_earlier_run") else ""), "",
-                  "| concurrency | direct rps | " + " | ".join(f"{t} rps (ratio)" for t in PROXIES) + " | "
+    for part, setup in ENGINE_SETUPS.items():
+        if part not in r:
+            continue
+        lines += [f"In front of the real engine (`calm engine`, vLLM on CPU, the embedded model), {setup} "
+                  f"({r['measured_at'].get(part, '')}). Ratio and added p50 against the engine doing the same work: "
+                  "the gateway against direct calls asking for the log-probs its confidence needs, the others against "
+                  "plain direct calls; in brackets, the gateway against plain direct calls:", "",
+                  "| concurrency | direct rps | direct + log-probs rps | "
+                  + " | ".join(f"{t} rps (ratio)" for t in PROXIES) + " | "
                   + " | ".join(f"{t} added p50 ms" for t in PROXIES) + " |",
-                  "|---|---|" + "---|" * (2 * len(PROXIES))]
+                  "|---|---|---|" + "---|" * (2 * len(PROXIES))]
         for c in CONCURRENCY:
-            row = r["engine"][f"c{c}"]
-            lines.append(f"| {c} | {row['direct']['rps']:.2f} | "
+            row = r[part][f"c{c}"]
+            gw = row["gateway"]
+            lines.append(f"| {c} | {row['direct']['rps']:.2f} | {row['direct+logprobs']['rps']:.2f} | "
                          + " | ".join(f"{row[t]['rps']:.2f} ({row[t]['ratio']:.3f})" for t in PROXIES) + " | "
-                         + " | ".join(f"{row[t]['added_p50_ms']:+.1f}" for t in PROXIES) + " |")
+                         + f"{gw['added_p50_ms']:+.1f} ({gw['added_p50_ms_vs_direct']:+.1f}) | "
+                         + " | ".join(f"{row[t]['added_p50_ms']:+.1f}" for t in PROXIES[1:]) + " |")
         lines.append("")
+    if "ceiling" not in r:
+        return "\n".join(lines) + "\n"
     s = r["ceiling_setup"]
     lines += [f"Ceiling: each proxy pinned to one core, instant upstream, wrk with {s['connections']} connections, "
               f"{s['rounds']} interleaved rounds of {s['seconds']} s (median):", "",
-              "| proxy | requests/s | p50 ms | runs (requests/s) |", "|---|---|---|---|"]
+              "| proxy | requests/s | p50 ms | runs (requests/s) | added p50 ms at concurrency 1 |", "|---|---|---|---|---|"]
     for t in PROXIES:
         c = r["ceiling"][t]
         runs = ", ".join(f"{x['rps']:.0f}" for x in c["runs"])
-        lines.append(f"| {t} | {c['rps']:.0f} | {c['p50_ms']:.1f} | {runs} |")
+        lines.append(f"| {t} | {c['rps']:.0f} | {c['p50_ms']:.1f} | {runs} | {c.get('c1_added_ms', float('nan')):+.2f} |")
     if r.get("profile"):
         lines += ["", "Where the gateway's CPU goes at its ceiling (py-spy, samples of the thread holding the GIL):", "",
                   "| stage | share |", "|---|---|"]
