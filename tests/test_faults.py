@@ -52,8 +52,12 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
         for i, t in enumerate(threads):
             t.start()
             if i == 30:
-                time.sleep(0.05)
-                os.killpg(proc.pid, signal.SIGKILL)  # mid-write: feedback requests are in flight
+                # Once some verdicts are acknowledged (a fixed 50 ms sleep raced the first answers on a busy
+                # machine), kill it mid-write: the other feedback requests are in flight.
+                deadline = time.monotonic() + 30
+                while not acknowledged and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                os.killpg(proc.pid, signal.SIGKILL)
         for t in threads:
             t.join()
         proc.wait()
