@@ -2,8 +2,8 @@
 
 Requests go round-robin over the servers through one pooled aiohttp session with explicit timeouts; a server that
 refuses the connection or times out makes the request fail fast with EngineUnavailable (the gateway answers 503).
-aiohttp rather than httpx: its C HTTP parser and plain asyncio locks cost a fraction of httpcore's per request, which
-is most of what the gateway adds on a fast upstream (benchmarks/bench_lean.py).
+aiohttp rather than httpx: httpcore's pool and anyio locks were a third of a request's samples at the gateway's
+ceiling; aiohttp's C HTTP parser and plain asyncio locks cost a fraction of that (benchmarks/bench_lean.py --profile).
 Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are keyed by id, as in-process.
 """
 

@@ -77,7 +77,6 @@ class Proxies:
     def __init__(self, stack: ExitStack, upstream: str, logs: Path, key: str, identity: Path, core: int | None):
         self.stack, self.upstream, self.logs, self.key, self.core = stack, upstream, logs, key, core
         self.identity = identity
-        self.urls: dict[str, str] = {}
 
     def _pin(self, argv: list[str]) -> list[str]:
         return ["taskset", "-c", str(self.core), *argv] if self.core is not None else argv
@@ -99,9 +98,8 @@ class Proxies:
         self.stack.enter_context(running(
             self._pin([sys.executable, str(REPO / "benchmarks" / "passthrough.py"), str(pt), self.upstream]),
             f"http://127.0.0.1:{pt}/health", self.logs / f"passthrough-{tag}.log"))
-        self.urls = {"gateway": f"http://127.0.0.1:{gw}", "litellm": f"http://127.0.0.1:{lt}",
-                     "passthrough": f"http://127.0.0.1:{pt}"}
-        return self.urls
+        return {"gateway": f"http://127.0.0.1:{gw}", "litellm": f"http://127.0.0.1:{lt}",
+                "passthrough": f"http://127.0.0.1:{pt}"}
 
 
 def chat_body(question: str, logprobs: bool = False) -> dict:
