@@ -2,8 +2,9 @@
 
 A response is acknowledged only once its rows are stored (nothing acknowledged may be lost), so each request awaits a
 commit; one transaction per request, each with its own thread hop, was about a tenth of the gateway's busy time at its
-ceiling (benchmarks/bench_lean.py --profile). Here the first caller starts a writer; whatever arrives while a transaction is in progress goes into the next one, so a burst of
-N requests costs a few transactions, and a lone request still costs exactly one, with no added wait.
+ceiling (benchmarks/bench_lean.py --profile). Here the first caller starts a writer; whatever arrives while a
+transaction is in progress goes into the next one, so a burst of N requests costs a few transactions, and a lone
+request still costs exactly one, with no added wait.
 """
 
 from __future__ import annotations
