@@ -100,6 +100,15 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, embedd
     other = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "cut"), steps=8, lr_alpha=1e-3), show_progress=False).setup()
     with pytest.raises(ConfigError, match="lr_alpha"):
         other.resume()
+    # A checkpoint past the configured steps is not a shorter run: refused, or for a report's row started over.
+    shorter = Trainer(load_config(SMOKE, out_dir=str(tmp_path / "cut"), steps=4, checkpoint_every=4), show_progress=False).setup()
+    with pytest.raises(ConfigError, match="at step 8, past the configured 4 steps"):
+        shorter.resume()
+    assert not shorter.resume(restart_if_mismatched=True) and shorter.step == 0
+    assert not (tmp_path / "cut" / "checkpoint.pt").exists() and not (tmp_path / "cut" / "train_log.jsonl").exists()
+    shorter.train()
+    assert [round(h["g"], 4) for h in shorter.history] == [round(h["g"], 4) for h in full.history[:4]]
+    assert len((tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()) == 4
 
 
 def test_every_registered_method_takes_two_steps_and_moves_what_it_trains(tmp_path, embedded_model_dir):

@@ -129,7 +129,7 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
                 pooled[direction]["uncalibrated"] = recs["out_of_domain"]
                 results[direction]["_done"].append("uncalibrated")
                 started += time.monotonic() - clock
-            trainer.resume()
+            trainer.resume(restart_if_mismatched=True)
             trainer.train()
             artifact = trainer.export()
             clock = time.monotonic()

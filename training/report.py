@@ -129,7 +129,7 @@ def run_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None
                 results["uncalibrated"][seed] = metrics
                 pooled_first["uncalibrated"] = pooled["out_of_domain"]
             z_initial = trainer.option_logits(trainer.calib_set).copy() if method == "sft" else None
-            trainer.resume()
+            trainer.resume(restart_if_mismatched=True)
             trainer.train()
             trainer.export()
             metrics, pooled = _role_metrics(trainer, trainer.probs)

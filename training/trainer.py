@@ -303,16 +303,29 @@ class Trainer:
         torch.save(state, tmp)
         os.replace(tmp, self.out / CHECKPOINT)  # a kill mid-write leaves the previous checkpoint intact
 
-    def resume(self) -> bool:
+    def resume(self, restart_if_mismatched: bool = False) -> bool:
+        """Continue from the checkpoint in `out_dir`, if there is one. Only a few settings may change in between
+        (more steps extend a run). A checkpoint this configuration cannot continue — another configuration, or
+        already past its `steps` — is refused, or with `restart_if_mismatched` (a report's rows, which must each
+        be a run of the report's configuration) removed with its training log so that the run starts over."""
         path = self.out / CHECKPOINT
         if not path.is_file():
             return False
         state = torch.load(path, weights_only=False)
         now = self.cfg.model_dump()
         changed = sorted(k for k in set(state["config"]) | set(now) if state["config"].get(k) != now.get(k))
+        problem = None
         if set(changed) - RESUMABLE_CHANGES:
-            raise ConfigError(f"{path} was written by a different configuration ({', '.join(changed)}); "
-                              "use another out_dir or --no-resume")
+            problem = f"was written by a different configuration ({', '.join(changed)})"
+        elif state["step"] > self.cfg.steps:
+            problem = f"is at step {state['step']}, past the configured {self.cfg.steps} steps"
+        if problem and restart_if_mismatched:
+            log.warning("%s %s: starting this run over", path, problem)
+            path.unlink()
+            (self.out / "train_log.jsonl").unlink(missing_ok=True)
+            return False
+        if problem:
+            raise ConfigError(f"{path} {problem}; use another out_dir or --no-resume")
         if changed:
             log.warning("resuming with a changed config (%s)", ", ".join(changed))
         with torch.no_grad():
