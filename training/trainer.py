@@ -211,7 +211,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         step = METHODS[cfg.method].step
         main = self.accelerator.is_main_process
-        metrics_log = open(self.out / "train_log.jsonl" if main else os.devnull, "a")
+        # A run from step 0 starts its log over (--no-resume, or a report's row restarted); a resumed run continues it.
+        metrics_log = open(self.out / "train_log.jsonl" if main else os.devnull, "a" if self.step else "w")
         columns = (TextColumn(f"{cfg.method} seed {cfg.seed}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[info]}"))
         with Progress(*columns, disable=not (self.show_progress and main)) as bar:
@@ -307,7 +308,7 @@ class Trainer:
         """Continue from the checkpoint in `out_dir`, if there is one. Only a few settings may change in between
         (more steps extend a run). A checkpoint this configuration cannot continue — another configuration, or
         already past its `steps` — is refused, or with `restart_if_mismatched` (a report's rows, which must each
-        be a run of the report's configuration) removed with its training log so that the run starts over."""
+        be a run of the report's configuration) removed, so that the run starts over."""
         path = self.out / CHECKPOINT
         if not path.is_file():
             return False
@@ -322,7 +323,6 @@ class Trainer:
         if problem and restart_if_mismatched:
             log.warning("%s %s: starting this run over", path, problem)
             path.unlink()
-            (self.out / "train_log.jsonl").unlink(missing_ok=True)
             return False
         if problem:
             raise ConfigError(f"{path} {problem}; use another out_dir or --no-resume")
