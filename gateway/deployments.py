@@ -134,7 +134,9 @@ class Deployments:
         while True:
             try:
                 await self.sync()
+                self.monitor.metrics.registry_syncs.labels("ok").inc()
             except Exception as e:  # a database fault must not end the loop: the current routes keep serving
+                self.monitor.metrics.registry_syncs.labels("error").inc()
                 log.error("registry sync failed: %s", e)
             await asyncio.sleep(self.poll_s)
 

@@ -46,6 +46,8 @@ class Metrics:
         self.serving_version = Gauge("calm_serving_version_info", "The artifact version serving each domain (value 1)",
                                      ["domain", "version"], registry=registry)
         self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
+        self.registry_syncs = Counter("calm_registry_syncs_total", "Registry polls completed (ok) or failed (error): a stalled "
+                                      "count means promotions are not reaching this replica", ["outcome"], registry=registry)
 
 
 class DomainMonitor:

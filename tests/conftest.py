@@ -103,3 +103,41 @@ def database(request, tmp_path):
         c.execute(text("CREATE SCHEMA public"))
     engine.dispose()
     yield url
+
+
+# -- where the time goes: per file and per test, printed at the end of every run ---------------------------------------
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # setup + call + teardown: a module-scoped server's start counts in the first test that uses it
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def _times_table(top: int = 30) -> str:
+    from collections import defaultdict
+
+    files: dict[str, list[float]] = defaultdict(list)
+    for nodeid, seconds in _SECONDS.items():
+        files[nodeid.split("::")[0]].append(seconds)
+    total = sum(_SECONDS.values())
+    lines = [f"Test time: {total / 60:.1f} min in {len(_SECONDS)} tests (setup + call + teardown, summed)", "",
+             "| file | tests | seconds | share |", "|---|---:|---:|---:|"]
+    for name, secs in sorted(files.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {name} | {len(secs)} | {sum(secs):.1f} | {sum(secs) / max(total, 1e-9):.1%} |")
+    lines += ["", f"Slowest {top} tests:", "", "| test | seconds |", "|---|---:|"]
+    for nodeid, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"| {nodeid} | {seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _SECONDS:
+        return
+    table = _times_table()
+    terminalreporter.write_sep("=", "time per file")
+    terminalreporter.write(table)
+    out = os.environ.get("CALM_TEST_TIMES_OUT")  # e.g. reports/test-times.md (scripts/test.sh sets it)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(table)

@@ -62,11 +62,13 @@ def test_schemathesis_finds_no_contract_violation_behind_a_fake_engine(tmp_path)
         f"uvicorn.run(make_app(pathlib.Path({str(tmp_path)!r})), host='127.0.0.1', port={port}, log_level='warning')")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for _ in range(100):
+        deadline = time.monotonic() + 180  # importing the app takes seconds, many more on a busy machine
+        while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=1)
+                httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5)
                 break
             except httpx.HTTPError:
+                assert server.poll() is None and time.monotonic() < deadline, "the app under test did not start"
                 time.sleep(0.1)
         from tests.test_fuzz import CHECKS
 

@@ -112,9 +112,10 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
         assert cal["mode"] == "free_form" and cal["method"] == "token"
         prompt = list(encode_text(tokenizer, free_form_prompt(tokenizer, question)))
         ids, calibrated, raw = list(prompt), [], []
-        with torch.no_grad():  # greedy under the calibrated distribution, as the engine samples
+        with torch.no_grad():  # greedy under the calibrated distribution, as the engine samples (HF's KV cache)
+            out = model(input_ids=torch.tensor([ids]), use_cache=True)
             for _ in range(48):
-                z = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                z = out.logits[0, -1].float()
                 logp = torch.log_softmax(z * scale + shift, -1)
                 token = int(logp.argmax())
                 calibrated.append(float(logp[token]))
@@ -122,6 +123,7 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
                 ids.append(token)
                 if token == tokenizer.eos_token_id:
                     break
+                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         answer = ids[len(prompt):]
         assert choice.message.content == tokenizer.decode(answer, skip_special_tokens=True)
         served = [t.logprob for t in choice.logprobs.content]

@@ -547,28 +547,34 @@ def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_
     from gateway.group_commit import GroupCommit
 
     written: list[list[int]] = []
-    release = threading.Event()
+    writing, release = threading.Event(), threading.Event()
 
     def write(rows):
-        release.wait(5)  # the first transaction is slow: the rest of the burst queues behind it
+        writing.set()
+        assert release.wait(120)  # the first transaction is slow: the rest of the burst queues behind it
         if -1 in rows:
             raise OSError("disk full")
         written.append(list(rows))
 
+    async def queued(commit, n: int):  # every caller so far has handed its rows to the commit
+        while len(commit._pending) < n:
+            await asyncio.sleep(0)
+
     async def burst():
         commit = GroupCommit(write)
         first = asyncio.create_task(commit.add([0]))
-        await asyncio.sleep(0.05)
+        await asyncio.to_thread(writing.wait, 120)  # its transaction is in progress
         rest = [asyncio.create_task(commit.add([i])) for i in range(1, 20)]
         quitter = asyncio.create_task(commit.add([99]))
-        await asyncio.sleep(0.05)
+        await queued(commit, 20)
         quitter.cancel()
         release.set()
         await asyncio.gather(first, *rest)
         assert written[0] == [0] and sorted(written[1]) == sorted([*range(1, 20), 99])  # 21 rows, 2 transactions
         release.clear()
+        writing.clear()
         failing = [asyncio.create_task(commit.add([i])) for i in (-1, 5)]
-        await asyncio.sleep(0.05)
+        await asyncio.to_thread(writing.wait, 120)
         release.set()
         return await asyncio.gather(*failing, return_exceptions=True)
 

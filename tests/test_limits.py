@@ -1,8 +1,10 @@
-"""Backpressure and bounds through the app (a slow fake engine; these test the gateway's own logic)."""
+"""Backpressure and bounds through the app (a fake engine held until a test releases it; these test the gateway's
+own logic)."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -11,22 +13,24 @@ from tests.test_client_keys import make_app
 from tests.test_gateway_logic import FailingEngine
 
 
-class SlowEngine(FailingEngine):
-    """Takes `seconds` before its one token."""
+class HeldEngine(FailingEngine):
+    """Answers one token once `release` is set (never, unless a test sets it): requests hold their slot exactly as
+    long as a test needs, whatever the machine's speed."""
 
-    def __init__(self, seconds: float):
+    def __init__(self):
         super().__init__(None)
-        self.seconds = seconds
+        self.release = threading.Event()
         self.cancelled = 0
 
     def describe(self) -> dict:
-        return {"kind": "slow"}
+        return {"kind": "held"}
 
     async def stream(self, request):
         from adapters.engine import EngineDelta
 
         try:
-            await asyncio.sleep(self.seconds)
+            while not self.release.is_set():
+                await asyncio.sleep(0.005)
         except asyncio.CancelledError:  # the engine clients abort their request here (vLLM on cancellation)
             self.cancelled += 1
             raise
@@ -37,31 +41,44 @@ class SlowEngine(FailingEngine):
 BODY = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
 
-def run(app, calls):
+def run(app, calls, engine: HeldEngine | None = None, release_after: int = 0):
+    """Run `calls` concurrently; with `engine`, hold its answers until `release_after` calls have been answered (the
+    refusals, which never reach the engine)."""
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            return await asyncio.gather(*(c(client) for c in calls))
+            tasks = [asyncio.ensure_future(c(client)) for c in calls]
+            if engine is not None:
+                engine.release.clear()
+                for answered, task in enumerate(asyncio.as_completed(tasks, timeout=120), start=1):
+                    await task
+                    if answered == release_after:
+                        break
+                engine.release.set()
+            return await asyncio.gather(*tasks)
     return asyncio.run(go())
 
 
-def slow_app(tmp_path, seconds, **settings):
+def held_app(tmp_path, released: bool = True, **settings):
     app = make_app(tmp_path, **settings)
-    engine = SlowEngine(seconds)
+    engine = HeldEngine()
+    if released:
+        engine.release.set()
     app.state.service.engine = engine
     return app, engine
 
 
 def test_requests_beyond_the_in_flight_limit_get_429_at_once_and_streams_hold_their_slot(tmp_path):
-    app, _ = slow_app(tmp_path, 0.5, max_in_flight=2)
+    app, engine = held_app(tmp_path, max_in_flight=2)
     post = lambda c: c.post("/v1/chat/completions", json=BODY)  # noqa: E731
-    statuses = sorted(r.status_code for r in run(app, [post] * 5))
-    assert statuses == [200, 200, 429, 429, 429]
-    busy = run(app, [post] * 3)
+    # Two requests hold the two slots until the other three have been refused.
+    results = run(app, [post] * 5, engine, release_after=3)
+    assert sorted(r.status_code for r in results) == [200, 200, 429, 429, 429]
+    busy = run(app, [post] * 3, engine, release_after=1)
     refused = [r for r in busy if r.status_code == 429][0]
     assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["code"] == "server_busy"
     assert app.state.in_flight.count == 0  # every slot came back
     stream = lambda c: c.post("/v1/chat/completions", json={**BODY, "stream": True})  # noqa: E731
-    results = run(app, [stream, stream, post])
+    results = run(app, [stream, stream, post], engine, release_after=1)
     assert sorted(r.status_code for r in results) == [200, 200, 429]
     streamed = [r for r in results if r.status_code == 200 and r.text.startswith("data:")]
     assert streamed and all(r.text.rstrip().endswith("data: [DONE]") for r in streamed)
@@ -69,14 +86,14 @@ def test_requests_beyond_the_in_flight_limit_get_429_at_once_and_streams_hold_th
 
 
 def test_a_request_past_its_deadline_gets_504_and_its_engine_request_is_cancelled(tmp_path):
-    app, engine = slow_app(tmp_path, 5.0, request_deadline_s=0.2)
+    app, engine = held_app(tmp_path, released=False, request_deadline_s=0.2)  # never answers: only the deadline ends it
     (r,) = run(app, [lambda c: c.post("/v1/chat/completions", json=BODY)])
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
     assert engine.cancelled == 1 and app.state.in_flight.count == 0
 
 
 def test_an_oversized_body_is_refused_with_413_before_it_is_read(tmp_path):
-    app, _ = slow_app(tmp_path, 0.0, max_body_bytes=2000)
+    app, _ = held_app(tmp_path, max_body_bytes=2000)
     big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
     (r, ok) = run(app, [lambda c: c.post("/v1/chat/completions", json=big),
                         lambda c: c.post("/v1/chat/completions", json=BODY)])
@@ -101,6 +118,6 @@ def test_an_oversized_body_is_refused_with_413_before_it_is_read(tmp_path):
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_limits_are_documented_in_the_openapi_contract(tmp_path, path):
-    app, _ = slow_app(tmp_path, 0.0)
+    app, _ = held_app(tmp_path)
     responses = app.openapi()["paths"][path]["post"]["responses"]
     assert {"413", "429", "504"} <= set(responses)

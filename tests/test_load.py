@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def test_quick_load_only_200_and_429_every_write_counted_back(tmp_path, embedded_model_dir):
     from benchmarks.load_suite import run
 
-    result = run(users=20, duration=30, out=tmp_path, warmup_s=10)
+    result = run(users=20, duration=20, out=tmp_path, warmup_s=10)  # the quick form in load_suite's docstring
     stats = result["stats"]
     assert stats["chat (multiple choice)"]["requests"] > 0 and stats["chat (free form)"]["requests"] > 0
     assert result["feedback_acknowledged"] > 0

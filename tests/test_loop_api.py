@@ -82,7 +82,7 @@ def ask(client, domain: str, question: str = "hello"):
     return r.json()["choices"][0]["calibration"]["artifact_version"]
 
 
-def wait_for(predicate, timeout=10.0):
+def wait_for(predicate, timeout=120.0):  # a deadline for a hang, not a speed requirement
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -108,7 +108,7 @@ def test_promotion_and_rollback_swap_a_domain_without_restart_and_requests_in_fl
         assert wait_for(lambda: app.state.deployments.version_for("science") == "v2")
         assert ask(client, "science") == "v2"  # new requests: the new version
         engines["v1"].hold.clear()
-        assert in_flight.result(timeout=10) == "v1"  # the request already running finished on the old one
+        assert in_flight.result(timeout=120) == "v1"  # the request already running finished on the old one
         assert ask(client, "medicine") == "v1"  # other domains: the default
         assert not engines["v1"].closed  # still the default for every other domain
         metrics = client.get("/metrics").text

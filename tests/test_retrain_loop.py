@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import httpx
 import pytest
@@ -101,9 +103,16 @@ path = "{test_file}"
     for route in [am_config["route"], *am_config["route"]["routes"]]:
         route.update(group_wait="1s", group_interval="1s")
     (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
+    # The shipped rules, with the drift alert's `for` at 5 s instead of 30 s: the expression, labels and routing are
+    # what is under test; waiting out a long `for` is Prometheus's behaviour, and only made the suite slower.
+    rules = yaml.safe_load(RULES.read_text())
+    drift = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "CalmConfidenceDrift"]
+    assert len(drift) == 1 and drift[0]["for"] == "30s"
+    drift[0]["for"] = "5s"
+    (tmp / "alerts.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
     (tmp / "prometheus.yml").write_text(f"""
 global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-rule_files: ["{RULES}"]
+rule_files: ["{tmp / 'alerts.yml'}"]
 scrape_configs:
   - job_name: calm-gateway
     static_configs: [{{targets: ["127.0.0.1:{gw_port}"]}}]
@@ -144,6 +153,26 @@ def psi(gateway: str) -> float:
     raise AssertionError("no drift gauge for science")
 
 
+def registry_syncs(gateway: str) -> float:
+    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
+        if line.startswith('calm_registry_syncs_total{outcome="ok"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def prometheus_value(prometheus: str, query: str) -> float | None:
+    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}).json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def rules_evaluated_after(prometheus: str, timestamp: float) -> bool:
+    """Every rule group has been evaluated after `timestamp` (Unix seconds)."""
+    def unix(rfc3339: str) -> float:  # Prometheus gives nanoseconds; datetime takes microseconds
+        return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")).timestamp()
+    groups = httpx.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"]
+    return bool(groups) and all(unix(g["lastEvaluation"]) > timestamp for g in groups)
+
+
 def jobs(gateway: str, **params) -> list[dict]:
     return httpx.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
 
@@ -161,7 +190,11 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     # histogram was built on. The alert stays quiet.
     science = load_mc("arc_easy", "test", root=shared_data)[:30] + load_mc("arc_challenge", "test", root=shared_data)[:20]
     send(gateway, [{"question": q.question, "choices": list(q.choices)} for q in science])
-    time.sleep(35)  # longer than the rule's `for: 30s`, so a pending alert would have fired
+    # The window is full only after the last answer and nothing changes it afterwards, so an evaluation of the rule on
+    # a scrape of the full window decides: no alert, not even pending, means none can fire later.
+    scraped = wait_until("Prometheus to scrape the full in-domain window", lambda: prometheus_value(
+        prometheus, 'timestamp(calm_drift_window_size{domain="science"} >= 50)'), 120, 0.2)
+    wait_until("a rule evaluation after that scrape", lambda: rules_evaluated_after(prometheus, scraped), 120, 0.2)
     psi_in = psi(gateway)
     assert psi_in < 0.25, psi_in
     assert drift_alerts(prometheus, "science") == []
@@ -221,7 +254,9 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert rejected["status"] == "rejected", json.dumps(rejected, indent=1)
     record = httpx.get(f"{gateway}/admin/artifacts/{rejected['candidate']}", headers=ADMIN).json()
     assert record["status"] == "rejected" and "accuracy" in record["reason"]
-    time.sleep(3)  # longer than the registry poll: nothing switches
+    # Two registry syncs after the rejection (the second one began after it was recorded): nothing switches.
+    syncs = registry_syncs(gateway)
+    wait_until("two registry syncs after the rejection", lambda: registry_syncs(gateway) >= syncs + 2, 120, 0.2)
     assert httpx.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
     assert {c["artifact_version"] for c in send(gateway, shifted[:4])} == {candidate}
 

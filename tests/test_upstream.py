@@ -16,6 +16,15 @@ QUESTION = {"messages": [{"role": "user", "content": "Which planet is largest?"}
             "options": ["Mars", "Jupiter", "Venus", "Mercury"], "metadata": {"domain": "science"}}
 
 
+def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 0.05) -> None:
+    """Wait for an event with a generous deadline; the deadline only turns a hang into a clear failure."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(every)
+
+
 def chat(base: str, **body) -> httpx.Response:
     return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
 
@@ -30,7 +39,8 @@ def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
         for body in (QUESTION, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}):
             start = time.monotonic()
             r = chat(base, **body)
-            assert time.monotonic() - start < 5
+            # A refused connection is answered at once; 10 s is far under the 30 s read timeout a waiting request hits.
+            assert time.monotonic() - start < 10
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
         stream = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
                                                                   "messages": [{"role": "user", "content": "hi"}]})
@@ -73,12 +83,14 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
 
-        # Fault: the engine is killed under load. Requests in flight and new ones get a 503 within 2 s (none hangs),
-        # and service resumes by itself once the engine is back on its port.
+        # Fault: the engine is killed under load. Requests in flight and new ones get a 503 (none hangs), and
+        # service resumes by itself once the engine is back on its port. Each step waits for the event it needs
+        # (answers acknowledged, the port refusing, answers after it), never for a fixed time: a busy machine can take
+        # seconds per 16-token answer.
         import os
         import signal
+        import socket
         import threading
-        import time
 
         results, stop = [], threading.Event()
 
@@ -91,30 +103,38 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                     code = type(e).__name__
                 results.append((start, time.monotonic() - start, code))
 
+        def refuses(port: int) -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return False
+            except OSError:
+                return True
+
         threads = [threading.Thread(target=client) for _ in range(4)]
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_until("4 answers before the kill", lambda: sum(code == 200 for *_, code in results) >= 4)
         killed_at = time.monotonic()
         os.killpg(engine.pid, signal.SIGKILL)
-        time.sleep(6)
+        engine.wait()
+        wait_until("the engine's port to refuse connections", lambda: refuses(engine_port))
+        dead_at = time.monotonic()
+        wait_until("8 answers started after the engine died", lambda: sum(r[0] > dead_at for r in results) >= 8)
         stop.set()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
         assert not any(t.is_alive() for t in threads)  # nothing hangs
         before = [r for r in results if r[0] + r[1] < killed_at]
-        after = [r for r in results if r[0] > killed_at + 0.5]
-        assert before and all(code == 200 for _, _, code in before)
-        assert after and all(code == 503 for _, _, code in after), after
-        assert max(took for _, took, _ in after) < 2.0, after
+        after = [r for r in results if r[0] > dead_at]
+        assert len(before) >= 4 and all(code == 200 for _, _, code in before)
+        assert all(code == 503 for _, _, code in after), after
+        # A refused connection is answered at once: far under the 30 s read timeout and the client's 60 s, so a
+        # request that waited on either fails this, however slow the machine.
+        assert max(took for _, took, _ in after) < 10.0, after
         assert all(code in (200, 503) for _, _, code in results)  # the ones cut mid-request: 503, never a 500
         with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine2.log",
                      timeout=300):
-            deadline = time.monotonic() + 30
-            while (code := chat(base, **QUESTION).status_code) != 200 and time.monotonic() < deadline:
-                time.sleep(1)
-            assert code == 200  # resumed without a gateway restart
-
+            wait_until("a 200 once the engine is back", lambda: chat(base, **QUESTION).status_code == 200)
 
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
     """The failover logic over real sockets: a refused connection or a 5xx moves the request to the next upstream

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The README's test command as a new user runs it: N fresh clones of this checkout's HEAD, one after the other, each
+# `make setup` (the install) then `make test`. Each run's wall time with and without the install goes to
+# benchmarks/results/test-runs.md; the logs stay in $LOGS.
+#   bash scripts/fresh_clone_test.sh 3
+set -uo pipefail
+N=${1:-3}
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+PARENT=$(dirname "$SRC")  # clones sit beside the checkout: the tests read ../shared/data
+OUT=${OUT:-$SRC/benchmarks/results/test-runs.md}
+LOGS=${LOGS:-/tmp/calm-fresh-clone-runs}
+mkdir -p "$LOGS" "$(dirname "$OUT")"
+commit=$(git -C "$SRC" rev-parse --short HEAD)
+[ -f "$OUT" ] || printf '| date (UTC) | commit | run | result | install (s) | tests (s) | total (min) |\n|---|---|---:|---|---:|---:|---:|\n' > "$OUT"
+failed=0
+for i in $(seq 1 "$N"); do
+  dir="$PARENT/calm-fresh-clone-$i"
+  rm -rf "$dir" && git clone -q "$SRC" "$dir"
+  log="$LOGS/run-$i.log"
+  t0=$(date +%s)
+  make -C "$dir" setup > "$log" 2>&1
+  t1=$(date +%s)
+  make -C "$dir" test >> "$log" 2>&1
+  rc=$?
+  t2=$(date +%s)
+  summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* in ' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+  [ "$rc" -eq 0 ] || failed=1
+  printf '| %s | %s | %d of %d | %s (exit %d) | %d | %d | %.1f |\n' "$(date -u +%F\ %H:%M)" "$commit" "$i" "$N" \
+    "${summary:-no summary}" "$rc" $((t1 - t0)) $((t2 - t1)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
+  rm -rf "$dir"
+done
+exit $failed
