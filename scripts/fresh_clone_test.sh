@@ -27,6 +27,12 @@ for i in $(seq 1 "$N"); do
   [ "$rc" -eq 0 ] || failed=1
   printf '| %s | %s | %d of %d | %s (exit %d) | %d | %d | %.1f |\n' "$(date -u +%F\ %H:%M)" "$commit" "$i" "$N" \
     "${summary:-no summary}" "$rc" $((t1 - t0)) $((t2 - t1)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
+  # The clone's time table (tests/conftest.py writes it through scripts/test.sh): the newest one is published beside $OUT.
+  if [ -f "$dir/.calm/test-times.md" ]; then
+    cp "$dir/.calm/test-times.md" "$LOGS/run-$i-times.md"
+    { echo "From run $i of \`bash scripts/fresh_clone_test.sh $N\` at commit $commit on $(date -u +%F) ($(nproc) cores)."; echo
+      cat "$dir/.calm/test-times.md"; } > "$(dirname "$OUT")/test-times.md"
+  fi
   rm -rf "$dir"
 done
 exit $failed

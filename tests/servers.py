@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,10 +17,36 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port *below* the kernel's ephemeral range. A port from bind(0) is an ephemeral one, and a server
+    binds it only after its start-up (a gateway: after its engines, a minute later), while vLLM's engines, ZMQ and
+    gloo take ephemeral ports meanwhile: one of them took a test's port once (Prometheus: "address already in use").
+    Below the range the kernel never hands a port out by itself; each port is given once per process."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, low)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free port in 10000-{low}")
 
 
 @contextmanager
