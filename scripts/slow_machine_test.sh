@@ -17,7 +17,15 @@ done
 trap 'kill "${busy[@]}" 2>/dev/null' EXIT
 echo "$(nproc) busy processes: ${busy[*]}"
 start=$(date +%s)
-bash scripts/test.sh -p no:cacheprovider "${TESTS[@]}"
-rc=$?
-echo "slow-machine run: exit $rc after $(( $(date +%s) - start )) s with $(nproc) busy processes"
+LOG=${LOG:-/tmp/calm-slow-machine.log}
+bash scripts/test.sh -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+seconds=$(( $(date +%s) - start ))
+echo "slow-machine run: exit $rc after $seconds s with $(nproc) busy processes"
+# One row per run in benchmarks/results/slow-machine.md (the README's copy: scripts/readme_test_times.py).
+OUT=benchmarks/results/slow-machine.md
+[ -f "$OUT" ] || printf '| date (UTC) | commit | tests | result | seconds |\n|---|---|---|---|---:|\n' > "$OUT"
+summary=$(grep -E '^=+ .*(passed|failed|error).* in |^[0-9]+ (passed|failed)' "$LOG" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
+printf '| %s | %s | %s | %s (exit %d) | %d |\n' "$(date -u +%F\ %H:%M)" "$(git rev-parse --short HEAD)" \
+  "$(echo "${TESTS[@]}" | sed 's/tests\///g; s/::test_group_commit[a-z_]*/::group_commit/')" "$summary" "$rc" "$seconds" >> "$OUT"
 exit $rc
