@@ -27,6 +27,6 @@ fi
 
 "$VENV/bin/calm" model prepare
 # Where the time went, at the end of every run: pytest's 30 slowest steps, then tests/conftest.py's table per file and
-# per test (setup + call + teardown), also written to $CALM_TEST_TIMES_OUT (reports/test-times.md holds a published one).
+# per test (setup + call + teardown), also written to $CALM_TEST_TIMES_OUT (benchmarks/results/test-times.md holds a published one).
 export CALM_TEST_TIMES_OUT=${CALM_TEST_TIMES_OUT:-$CALM_HOME/test-times.md}
 exec "$VENV/bin/pytest" -q --durations=30 "$@"

@@ -137,7 +137,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     table = _times_table()
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
-    out = os.environ.get("CALM_TEST_TIMES_OUT")  # e.g. reports/test-times.md (scripts/test.sh sets it)
+    out = os.environ.get("CALM_TEST_TIMES_OUT")  # scripts/test.sh sets it (.calm/test-times.md by default)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(table)

@@ -20,12 +20,11 @@ REPO = Path(__file__).resolve().parents[1]
 _GIVEN: set[int] = set()
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _ephemeral_low() -> int:
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -33,7 +32,7 @@ def free_port() -> int:
     binds it only after its start-up (a gateway: after its engines, a minute later), while vLLM's engines, ZMQ and
     gloo take ephemeral ports meanwhile: one of them took a test's port once (Prometheus: "address already in use").
     Below the range the kernel never hands a port out by itself; each port is given once per process."""
-    low = _ephemeral_range()[0]
+    low = _ephemeral_low()
     rng = random.Random()
     for _ in range(1000):
         port = rng.randrange(10000, low)
@@ -47,6 +46,18 @@ def free_port() -> int:
         _GIVEN.add(port)
         return port
     raise RuntimeError(f"no free port in 10000-{low}")
+
+
+def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0):
+    """Poll `predicate` until it returns something truthy and return that; the deadline only turns a hang into a clear
+    failure, it is not a speed requirement."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @contextmanager

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from calm_core.data import load_mc, load_open
-from tests.servers import REPO, background, calm_argv, free_port, running
+from tests.servers import REPO, background, calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
@@ -48,16 +48,6 @@ def two_way(shared_data, start: int, stop: int, seed: int) -> list[dict]:
         out.append({"id": t.id, "dataset": "trivia2", "split": "test", "question": t.question, "choices": options,
                     "answer": options.index(t.answer), "domain": "science"})
     return out
-
-
-def wait_until(what: str, fn, timeout: float, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
