@@ -7,7 +7,7 @@ import os
 import weakref
 from collections.abc import AsyncIterator
 
-from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
+from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact, read_manifest
 

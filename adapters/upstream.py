@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 
-from adapters.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
+from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import OPT_OUT_KEY
 
 
@@ -96,6 +96,7 @@ class UpstreamVLLMEngine:
         self.adapter_name = adapter_name  # the servers' name for the artifact's LoRA adapter (`calm engine` registers it)
         self.folded_scoring = False  # a vLLM server serves one set of weights: options are scored token by token
         self.free_form_mode = False  # ... and one α head: free-form answers of a multiple-choice artifact use the base
+        self.prompt_logprobs = False  # raw confidence of free-form answers stays null upstream
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))

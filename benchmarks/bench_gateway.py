@@ -27,7 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
-from adapters.engine import EngineRequest  # noqa: E402
+from calm_core.engine import EngineRequest  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402
 from calm_core.prompts import letter_token_ids, letter_user_message, render_chat  # noqa: E402

@@ -82,6 +82,29 @@ def cloze_tokens(tokenizer, question: str, choices: Sequence[str]) -> ClozeToken
     return ClozeTokens(encode(cloze_prompt(question)), options)
 
 
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A question ready for a scorer: the prompt text the engine continues, the option letters in multiple-choice mode,
+    and the cloze token ids when the options are scored by their text."""
+
+    text: str
+    option_letters: tuple[str, ...] | None  # set in multiple-choice mode
+    cloze: ClozeTokens | None = None  # set when the options are scored by cloze
+
+    @property
+    def multiple_choice(self) -> bool:
+        return self.option_letters is not None
+
+
+def options_prompt(tokenizer, question: str, choices: Sequence[str], answer_format: AnswerFormatName) -> PreparedPrompt:
+    """A multiple-choice question as the artifact's head was fitted: the letter format under the chat template, or the
+    cloze prompt with each option's tokens (the gateway's explicit `options` and offline evaluation both use this)."""
+    if answer_format == "cloze":
+        return PreparedPrompt(cloze_prompt(question), LETTERS[: len(choices)], cloze_tokens(tokenizer, question, choices))
+    message = {"role": "user", "content": letter_user_message(question, choices)}
+    return PreparedPrompt(render_chat(tokenizer, [message]), LETTERS[: len(choices)])
+
+
 def letter_token_ids(tokenizer) -> list[int]:
     """Token id of each letter A..M as the model emits it right after the assistant prompt."""
     ids = []

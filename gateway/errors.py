@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.engine import EngineRejected, EngineUnavailable
-from gateway.protocol import ErrorInfo, ErrorResponse
+from calm_core.engine import EngineRejected, EngineUnavailable
+from gateway.protocol.common import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("calm.gateway")
 

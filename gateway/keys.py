@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.cached import CachedRead
 from gateway.errors import APIError
+from gateway.protocol.admin import KeyCreated
 
 PREFIX = "calm"
 REFRESH_S = 5.0
@@ -116,8 +117,6 @@ class KeyRing(CachedRead[dict]):
 
 def issue_key(store, name: str, domains: list[str] | None, requests_per_minute: float | None):
     """Create a key: its hash goes to the store, the key itself only to the caller (once)."""
-    from gateway.protocol import KeyCreated
-
     key_id, key = new_key()
     at = store.add_client_key(key_id, name, hash_key(key), domains, requests_per_minute)
     return KeyCreated(id=key_id, name=name, domains=domains, requests_per_minute=requests_per_minute, created_at=at,

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from gateway.protocol.openai import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 
 LOGPROB_FLOOR = -9999.0
 

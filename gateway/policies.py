@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, model_validator
 
-from gateway.protocol import StrictInt
+from gateway.protocol.common import StrictInt
 
 from calm_core.risk_control import RiskFit, label_free_threshold
 

@@ -8,22 +8,11 @@ the served head was fitted: the letter format under the chat template, or, for c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from calm_core.prompts import (
-    LETTERS, AnswerFormatName, ClozeTokens, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
+    LETTERS, AnswerFormatName, PreparedPrompt, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
     parse_options_question, render_chat,
 )
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-
-@dataclass(frozen=True)
-class PreparedPrompt:
-    text: str
-    option_letters: tuple[str, ...] | None  # set in multiple-choice mode
-    cloze: ClozeTokens | None = None  # set when the options are scored by cloze
-
-    @property
-    def multiple_choice(self) -> bool:
-        return self.option_letters is not None
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
 def _cloze(tokenizer, question: str, choices) -> PreparedPrompt:

@@ -11,7 +11,7 @@ import time
 from calm_core.capture import Capture, CaptureSettings
 from calm_core.jobs import Job, JobQueue
 from gateway.cached import CachedRead
-from gateway.protocol import AlertmanagerPayload
+from gateway.protocol.loop import AlertmanagerPayload
 
 DRIFT_ALERTS = frozenset({"CalmConfidenceDrift"})  # the alerts that mean "recalibrate this domain"
 

@@ -22,7 +22,7 @@ class QuietEngine(FailingEngine):
         return {"kind": "fake"}
 
 
-def make_app(tmp_path, **settings):
+def make_app(tmp_path, engine=None, **settings):
     from calm_core.artifact import ArtifactManifest, LoadedArtifact
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
@@ -32,7 +32,7 @@ def make_app(tmp_path, **settings):
     artifact = LoadedArtifact.__new__(LoadedArtifact)
     object.__setattr__(artifact, "manifest", manifest)
     settings.setdefault("db_path", tmp_path / "g.db")
-    return create_app(GatewaySettings(served_model_name="m", domains=["science", "medicine"], **settings), QuietEngine(),
+    return create_app(GatewaySettings(served_model_name="m", domains=["science", "medicine"], **settings), engine or QuietEngine(),
                       _tiny_tokenizer(), artifact)
 
 

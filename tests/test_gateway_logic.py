@@ -39,7 +39,7 @@ class ScriptedEngine:
         self.requests = []
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         self.requests.append(request)
         token = request.option_token_ids[0]
@@ -50,13 +50,13 @@ class ScriptedEngine:
 def test_cloze_scoring_teacher_forces_each_option_token_without_restricting_the_vocabulary():
     import asyncio
 
-    from adapters.engine import EngineRequest
-    from gateway.serving import score_cloze
+    from calm_core.engine import EngineRequest
+    from calm_core.scorers.options import ClozePerTokenScorer
 
     engine = ScriptedEngine()
     tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,)))
     template = EngineRequest(request_id="r", prompt="Question: ...", temperature=0.8, seed=3)
-    scores = asyncio.run(score_cloze(engine, tokens, template, calibrated=False))
+    scores = asyncio.run(ClozePerTokenScorer(engine).option_scores(tokens, template, calibrated=False))
     # Option 0: tokens 40 after the prompt (3 tokens), 41 after prompt + 40 (4 tokens); option 1: 50 after the prompt.
     np.testing.assert_allclose(scores, [-(3.40 + 4.41) / 2, -3.50])
     sent = {r.request_id: r for r in engine.requests}
@@ -188,7 +188,7 @@ class PromptLogprobEngine:
         self.requests = []
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         self.requests.append(request)
         ids = request.prompt_token_ids
@@ -199,16 +199,16 @@ class PromptLogprobEngine:
 def test_one_pass_cloze_scoring_reads_each_option_from_one_request():
     import asyncio
 
-    from adapters.engine import EngineRequest
-    from gateway.serving import score_cloze_one_pass
+    from calm_core.engine import EngineRequest
+    from calm_core.scorers.options import ClozeOnePassScorer
 
     engine = PromptLogprobEngine()
     tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,)))
     template = EngineRequest(request_id="r", prompt="Question: ...", temperature=0.8, seed=3, n=3)
-    calibrated = asyncio.run(score_cloze_one_pass(engine, tokens, template, calibrated=True))
+    calibrated = asyncio.run(ClozeOnePassScorer(engine).option_scores(tokens, template, calibrated=True))
     # Option 0: 40 at position 3, 41 at position 4; option 1: 50 at position 3; the folded weights' values.
     np.testing.assert_allclose(calibrated, [-(3.40 + 4.41) / 2 - 1, -3.50 - 1])
-    raw = asyncio.run(score_cloze_one_pass(engine, tokens, template, calibrated=False))
+    raw = asyncio.run(ClozeOnePassScorer(engine).option_scores(tokens, template, calibrated=False))
     np.testing.assert_allclose(raw, [-(3.40 + 4.41) / 2, -3.50])
     sent = engine.requests[:2]
     assert [r.prompt_token_ids for r in sent] == [(1, 2, 3, 40, 41), (1, 2, 3, 50)]
@@ -217,7 +217,7 @@ def test_one_pass_cloze_scoring_reads_each_option_from_one_request():
 
 
 def test_one_table_classifies_errors_for_handlers_metrics_and_streams():
-    from adapters.engine import EngineRejected, EngineUnavailable
+    from calm_core.engine import EngineRejected, EngineUnavailable
     from gateway.errors import APIError, classify
 
     assert (classify(APIError(404, "no", "not_found_error", "model")).status, classify(APIError(404, "no")).param) == (404, None)
@@ -233,6 +233,7 @@ class FailingEngine:
     """Streams one token, then fails with the given exception."""
 
     model_name, artifact_version, max_model_len, folded_scoring = "m", "test-v1", 2048, False
+    free_form_mode = prompt_logprobs = False
 
     def __init__(self, exc: BaseException | None):
         self.exc = exc
@@ -246,7 +247,7 @@ class FailingEngine:
     async def check_health(self): ...
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         yield EngineDelta(text="Hi", token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}], prompt_tokens=3)
         if self.exc is not None:
@@ -255,8 +256,8 @@ class FailingEngine:
 
 @pytest.mark.parametrize("exc, status, kind", [
     (None, None, None),
-    (__import__("adapters.engine", fromlist=["EngineUnavailable"]).EngineUnavailable("died"), 503, "service_unavailable_error"),
-    (__import__("adapters.engine", fromlist=["EngineRejected"]).EngineRejected("bad"), 400, "invalid_request_error"),
+    (__import__("calm_core.engine", fromlist=["EngineUnavailable"]).EngineUnavailable("died"), 503, "service_unavailable_error"),
+    (__import__("calm_core.engine", fromlist=["EngineRejected"]).EngineRejected("bad"), 400, "invalid_request_error"),
     (RuntimeError("a bug of ours"), 500, "internal_server_error"),
 ])
 def test_a_failing_stream_ends_with_an_error_event_and_done_and_is_counted(tmp_path, exc, status, kind):
@@ -354,7 +355,7 @@ class LetterEngine(FailingEngine):
         super().__init__(None)
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         a, b = request.option_token_ids[:2]
         yield EngineDelta(text="A", token_ids=[a], token_logprobs=[math.log(0.7)],
@@ -406,7 +407,7 @@ class SamplingEngine(FailingEngine):
         self.requests = []
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         self.requests.append(request)
         for i in range(request.n):
@@ -488,7 +489,7 @@ class FreeFormModeEngine(FailingEngine):
         return {"kind": "fake"}
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         self.requests.append(request)
         if request.prompt_logprobs:
@@ -583,11 +584,11 @@ def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_
 
 
 def test_the_prompt_token_bound_is_never_below_the_token_count(embedded_model_dir):
-    """The cheap bound that spares tokenizing short prompts (gateway/serving.py) holds on real questions under the
+    """The cheap bound that spares tokenizing short prompts (gateway/prepare.py) holds on real questions under the
     chat template, in several scripts."""
     from calm_core.data import load_open
     from calm_core.prompts import render_chat
-    from gateway.serving import prompt_token_bound
+    from gateway.prepare import prompt_token_bound
 
     from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ class HeldEngine(FailingEngine):
         return {"kind": "held"}
 
     async def stream(self, request):
-        from adapters.engine import EngineDelta
+        from calm_core.engine import EngineDelta
 
         try:
             while not self.release.is_set():
@@ -59,12 +59,10 @@ def run(app, calls, engine: HeldEngine | None = None, release_after: int = 0):
 
 
 def held_app(tmp_path, released: bool = True, **settings):
-    app = make_app(tmp_path, **settings)
     engine = HeldEngine()
     if released:
         engine.release.set()
-    app.state.service.engine = engine
-    return app, engine
+    return make_app(tmp_path, engine, **settings), engine
 
 
 def test_requests_beyond_the_in_flight_limit_get_429_at_once_and_streams_hold_their_slot(tmp_path):
@@ -76,20 +74,20 @@ def test_requests_beyond_the_in_flight_limit_get_429_at_once_and_streams_hold_th
     busy = run(app, [post] * 3, engine, release_after=1)
     refused = [r for r in busy if r.status_code == 429][0]
     assert refused.headers["Retry-After"] == "1" and refused.json()["error"]["code"] == "server_busy"
-    assert app.state.in_flight.count == 0  # every slot came back
+    assert app.state.gateway.in_flight.count == 0  # every slot came back
     stream = lambda c: c.post("/v1/chat/completions", json={**BODY, "stream": True})  # noqa: E731
     results = run(app, [stream, stream, post], engine, release_after=1)
     assert sorted(r.status_code for r in results) == [200, 200, 429]
     streamed = [r for r in results if r.status_code == 200 and r.text.startswith("data:")]
     assert streamed and all(r.text.rstrip().endswith("data: [DONE]") for r in streamed)
-    assert app.state.in_flight.count == 0
+    assert app.state.gateway.in_flight.count == 0
 
 
 def test_a_request_past_its_deadline_gets_504_and_its_engine_request_is_cancelled(tmp_path):
     app, engine = held_app(tmp_path, released=False, request_deadline_s=0.2)  # never answers: only the deadline ends it
     (r,) = run(app, [lambda c: c.post("/v1/chat/completions", json=BODY)])
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
-    assert engine.cancelled == 1 and app.state.in_flight.count == 0
+    assert engine.cancelled == 1 and app.state.gateway.in_flight.count == 0
 
 
 def test_an_oversized_body_is_refused_with_413_before_it_is_read(tmp_path):

@@ -102,10 +102,10 @@ def test_promotion_and_rollback_swap_a_domain_without_restart_and_requests_in_fl
         engines["v1"].hold.set()
         pool = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
         in_flight = pool.submit(ask, client, "science")
-        assert wait_for(lambda: app.state.deployments.for_domain("science").in_flight == 1)
+        assert wait_for(lambda: app.state.gateway.deployments.for_domain("science").in_flight == 1)
         r = client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN)
         assert r.status_code == 200 and r.json() == {"version": "v2", "domain": "science", "previous": None}
-        assert wait_for(lambda: app.state.deployments.version_for("science") == "v2")
+        assert wait_for(lambda: app.state.gateway.deployments.version_for("science") == "v2")
         assert ask(client, "science") == "v2"  # new requests: the new version
         engines["v1"].hold.clear()
         assert in_flight.result(timeout=120) == "v1"  # the request already running finished on the old one
@@ -118,7 +118,7 @@ def test_promotion_and_rollback_swap_a_domain_without_restart_and_requests_in_fl
 
         r = client.post("/admin/domains/science/rollback", headers=ADMIN)
         assert r.status_code == 200 and r.json()["version"] is None and r.json()["previous"] == "v2"
-        assert wait_for(lambda: app.state.deployments.version_for("science") == "v1")
+        assert wait_for(lambda: app.state.gateway.deployments.version_for("science") == "v1")
         assert ask(client, "science") == "v1"
         assert wait_for(lambda: engines["v2"].closed)  # a version nothing serves is closed once drained
         listed = {a["version"]: a for a in client.get("/admin/artifacts", headers=ADMIN).json()["data"]}
@@ -141,7 +141,7 @@ def test_a_version_that_cannot_load_is_reported_and_the_current_one_keeps_servin
     registry.add(artifact_copy(tmp_path, "v2"), trigger="operator")
     with TestClient(app) as client:
         assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
-        assert wait_for(lambda: "v2" in app.state.deployments.problems)
+        assert wait_for(lambda: "v2" in app.state.gateway.deployments.problems)
         assert ask(client, "science") == "v1"
         assert "one artifact" in client.get("/health").json()["versions"]["problems"]["v2"]
 
@@ -227,6 +227,6 @@ def test_a_corrupt_version_is_refused_at_load_and_the_current_one_keeps_serving(
     (registry.path_of("v2") / "alpha_head.safetensors").write_bytes(b"corrupt")
     with TestClient(app) as client:
         assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
-        assert wait_for(lambda: "v2" in app.state.deployments.problems)
+        assert wait_for(lambda: "v2" in app.state.gateway.deployments.problems)
         assert "do not match the hash" in client.get("/health").json()["versions"]["problems"]["v2"]
         assert ask(client, "science") == "v1" and "v2" not in engines

@@ -94,7 +94,7 @@ def test_a_policy_changed_through_one_gateway_is_in_force_in_the_other(database,
     key = "db_url" if "://" in database else "db_path"
     apps = [make_app(tmp_path / str(i), **{key: database}) for i in range(2)]
     for app in apps:
-        app.state.service.policies.max_age_s = 0.0
+        app.state.gateway.shared.policies.max_age_s = 0.0
     admin = {"Authorization": "Bearer dev-admin-key"}
     body = {"model": "m", "max_tokens": 2, "metadata": {"domain": "science"}, "messages": [{"role": "user", "content": "hi"}]}
     with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
@@ -113,7 +113,7 @@ def test_a_failing_database_answers_503_and_keeps_what_was_stored(tmp_path):
     from tests.test_client_keys import make_app
 
     app = make_app(tmp_path)
-    store = app.state.service.store
+    store = app.state.gateway.store
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     with TestClient(app) as http:
         first = http.post("/v1/chat/completions", json=body).json()["id"]

@@ -134,7 +134,7 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
 
     from aiohttp import web
 
-    from adapters.engine import EngineRequest, EngineUnavailable, generate
+    from calm_core.engine import EngineRequest, EngineUnavailable, generate
     from adapters.upstream import UpstreamVLLMEngine
 
     seen = []

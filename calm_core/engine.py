@@ -1,4 +1,5 @@
-"""The engine-facing contract the gateway depends on, independent of where vLLM runs.
+"""The engine seam: the request/output types and the client protocol that scorers (calm_core/scorers/), the gateway and
+offline evaluation all speak, whatever runs the model (in-process vLLM, an upstream vLLM server, HF offline).
 
 Requests carry a rendered prompt (the gateway applies the chat template) or its token ids, and what to return: the
 log-probs of given tokens at the first position (multiple choice: answer letters, or the next token of an option's text
@@ -105,6 +106,7 @@ class EngineClient(Protocol):
     max_model_len: int
     folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
     free_form_mode: bool  # serves `free_form` requests: the artifact's free-form weights and head
+    prompt_logprobs: bool  # answers `prompt_logprobs` requests (raw free-form confidence needs them)
 
     async def start(self) -> None: ...
 

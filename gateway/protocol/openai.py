@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response models (pydantic only, no logic).
+"""OpenAI-compatible request and response models: chat, completions, models (pydantic only, no logic).
 
 Extras live where OpenAI clients tolerate them: request fields passed as `extra_body` (`options`, `calm`), the
 standard `metadata` map, and a `calibration` object on each choice that clients ignore.
@@ -7,31 +7,20 @@ standard `metadata` map, and a `calibration` object on each choice that clients 
 from __future__ import annotations
 
 import time
-from typing import Literal
-
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, field_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, field_validator,
     model_validator,
 )
-from pydantic import StrictInt as _StrictInt
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
+from gateway.protocol.common import NONBLANK, StrictInt
 
 MAX_CHOICES = 16  # n; each choice is a full generation
 MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
 MAX_STOP = 4
 MAX_SAMPLES = 32  # semantic confidence: answers sampled in one engine call
-
-
-def _integral(value):
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-# JSON Schema counts 12.0 as an integer; so does the gateway (anything else non-integral is refused, as strict ints).
-StrictInt = Annotated[_StrictInt, BeforeValidator(_integral)]  # noqa: F811
-NONBLANK = r"\S"  # a string with some non-whitespace character (the schema form of `text.strip() != ""`)
 
 
 class OpenAIModel(BaseModel):
@@ -319,152 +308,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class FeedbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    response_id: StrictStr = Field(min_length=1)
-    correct: StrictBool
-    choice_index: StrictInt = Field(default=0, ge=0, lt=MAX_CHOICES)  # which choice of an n > 1 response
-
-
-class FeedbackResponse(BaseModel):
-    response_id: str
-    correct: bool
-    recorded: bool  # False when the same feedback had been recorded before (idempotent repeat)
-    domain: str
-
-
-class LabelledQuestion(BaseModel):
-    # `answer` indexes `options`: the schema says so per option count (JSON Schema cannot compare a number with a length).
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
-        {"if": {"properties": {"options": {"maxItems": k}}}, "then": {"properties": {"answer": {"maximum": k - 1}}}}
-        for k in range(MIN_OPTIONS, MAX_OPTIONS + 1)]})
-
-    question: StrictStr = Field(min_length=1)
-    options: list[StrictStr] = Field(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
-    answer: StrictInt = Field(ge=0)
-
-    @model_validator(mode="after")
-    def _answer_is_an_option(self):
-        if self.answer >= len(self.options):
-            raise ValueError(f"answer {self.answer} is not one of the {len(self.options)} options (0-based)")
-        return self
-
-
-class LabelUpload(BaseModel):
-    """Labelled multiple-choice questions of a domain: the served artifact scores them and their verdicts become
-    labels for guaranteed-risk policies."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    questions: list[LabelledQuestion] = Field(min_length=1, max_length=2000)
-
-
-class LabelUploadResult(BaseModel):
-    domain: str
-    scored: int
-    accuracy: float
-    labels: int  # the domain's labelled answers now
-
-
-class PolicyOut(BaseModel):
-    domain: str
-    version: int
-    policy: dict
-    effective_threshold: float
-    state: str | None = None  # guaranteed-risk policies: guaranteed, or the fallback in force and why
-
-
-class KeyCreate(BaseModel):
-    """A client API key to create: who it is for, the domains it may use (all when omitted), its rate limit."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: StrictStr = Field(min_length=1, max_length=128)
-    domains: list[Annotated[str, StringConstraints(strict=True, pattern=r"^[a-z0-9][a-z0-9_\-]{0,63}$")]] | None = Field(
-        default=None, min_length=1)
-    requests_per_minute: StrictFloat | None = Field(default=None, gt=0, le=1_000_000)
-
-
-class KeyOut(BaseModel):
-    id: str
-    name: str
-    domains: list[str] | None
-    requests_per_minute: float | None
-    created_at: float
-    revoked_at: float | None = None
-
-
-class KeyCreated(KeyOut):
-    key: str  # shown once; only its hash is stored
-
-
-class KeyList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[KeyOut]
-
-
-DOMAIN_NAME = r"^[a-z0-9][a-z0-9_\-]{0,63}$"
-
-
-# -- the retraining loop (admin API) ---------------------------------------------------------------------------------
-class AlertmanagerAlert(BaseModel):
-    """One alert of Alertmanager's webhook payload (version 4); fields the gateway does not use are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    status: Literal["firing", "resolved"]
-    labels: dict[StrictStr, StrictStr]
-    annotations: dict[StrictStr, StrictStr] = {}
-    startsAt: StrictStr | None = None
-    endsAt: StrictStr | None = None
-    fingerprint: StrictStr | None = None
-
-
-class AlertmanagerPayload(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    version: Literal["4"]
-    status: Literal["firing", "resolved"]
-    receiver: StrictStr
-    alerts: list[AlertmanagerAlert] = Field(max_length=1000)
-
-
-class AlertsAccepted(BaseModel):
-    jobs: list[dict]  # {id, domain, status, created}: created false when the domain's open job was reused
-
-
-class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    domain: Annotated[str, StringConstraints(strict=True, pattern=DOMAIN_NAME)]
-
-
-class Promotion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    domain: Annotated[str, StringConstraints(strict=True, pattern=r"^(\*|[a-z0-9][a-z0-9_\-]{0,63})$")] = "*"
-
-
-class CaptureSettingsIn(BaseModel):
-    """Traffic capture of one domain: off unless enabled; bounded by count and age; answers only if asked for."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: StrictBool
-    max_items: StrictInt = Field(default=5000, ge=1, le=1_000_000)
-    max_age_s: StrictFloat = Field(default=7 * 24 * 3600.0, gt=0, le=366 * 24 * 3600.0)
-    include_answers: StrictBool = False
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -1,0 +1,257 @@
+"""The request path of one served version: prepare → scorer → policy → record → respond.
+
+`prepare_chat` / `prepare_completion` check the request and build its `RequestContext` (prompt, domain, policy,
+scorer, scoring job, wire view); `complete` and `stream` are the two ways to answer it, over the same steps: the
+scorer (calm_core/scorers/) turns the engine's outputs into confidences, `calibrate` applies the domain's policy and
+observes the answer, `record` stores each choice's confidence for feedback, and the wire view (gateway/wire.py)
+writes the response or its SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from functools import partial
+
+from calm_core.engine import EngineClient, EngineOutput
+from calm_core.prompts import PreparedPrompt
+from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob
+from calm_core.scorers.registry import Scorers
+from gateway.errors import APIError
+from gateway.group_commit import GroupCommit
+from gateway.guarantees import GuaranteedThresholds
+from gateway.logprobs import Position, option_position, token_positions
+from gateway.monitoring import DomainMonitor
+from gateway.policies import Action, Policy, ResolvedPolicy, resolve
+from gateway.policy_book import PolicyBook
+from gateway.prepare import RequestPlanner, ServedArtifact
+from gateway.prompting import prepare_chat, prepare_completion
+from gateway.protocol.openai import Calibration, ChatCompletionRequest, ClusterOut, CompletionRequest, OptionProbability, SamplingFields
+from gateway.retraining import CaptureBook
+from gateway.settings import GatewaySettings
+from gateway.store import Store
+from gateway.wire import Answer, Served, WireView
+
+
+def response_key(response_id: str, choice_index: int) -> str:
+    """The stored id of one choice (feedback names a response and, for n > 1, a choice)."""
+    return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
+
+
+@dataclass
+class RequestContext:
+    """Everything one request carries through the path."""
+
+    request: SamplingFields
+    domain: str
+    prompt: PreparedPrompt
+    scorer: Scorer
+    job: ScoringJob
+    policy: ResolvedPolicy
+    view: WireView
+    response_id: str
+
+    @property
+    def buffered(self) -> bool:
+        """The whole answer is needed before any text may be shown: multiple choice, sampled confidences, abstain."""
+        return not self.scorer.streams or self.policy.action is Action.ABSTAIN
+
+
+@dataclass
+class SharedParts:
+    """What every version's service shares (policies, risk fits, capture and the response writer are per domain)."""
+
+    settings: GatewaySettings
+    tokenizer: object
+    store: Store
+    monitor: DomainMonitor
+    policies: PolicyBook
+    guarantees: GuaranteedThresholds
+    capture: CaptureBook | None
+    responses: GroupCommit
+
+    @classmethod
+    def build(cls, settings: GatewaySettings, tokenizer, store: Store, monitor: DomainMonitor,
+              capture: CaptureBook | None = None) -> "SharedParts":
+        policies = PolicyBook(store)
+        guarantees = GuaranteedThresholds(store, monitor.metrics, policies.in_force, monitor.reference,
+                                          settings.risk_refit_every)
+        return cls(settings, tokenizer, store, monitor, policies, guarantees, capture,
+                   GroupCommit(lambda rows: store.record_responses(rows)))
+
+
+class CalibratedService:
+    """One served version: its engine, its scorers, and the shared parts."""
+
+    def __init__(self, engine: EngineClient, artifact: ServedArtifact, shared: SharedParts):
+        self.engine, self.artifact, self.shared = engine, artifact, shared
+        self.settings, self.tokenizer, self.monitor = shared.settings, shared.tokenizer, shared.monitor
+        self.planner = RequestPlanner(shared.settings, engine, shared.tokenizer, artifact)
+        self.scorers = Scorers(engine, shared.tokenizer, artifact.answer_format)
+
+    def scoring_paths(self) -> dict[str, str]:
+        """How each kind of answer is scored, for /health."""
+        if self.planner.free_form_mode:
+            free = (f"free-form mode {self.artifact.free_form_version}: its adapter merged, its α head in the logits "
+                    "processor; raw confidence from the same weights' prompt log-probs of the answer")
+        elif self.artifact.multiple_choice_only:
+            free = "base weights, no α head"
+        else:
+            free = "α head in the logits processor"
+        return {"multiple_choice": self.scorers[self.scorers.multiple_choice].description, "free_form": free}
+
+    # -- prepare ------------------------------------------------------------------------------------------------------
+    def domain_of(self, req: SamplingFields, header: str | None) -> str:
+        raw = (req.calm.domain if req.calm and req.calm.domain else None) or (req.metadata or {}).get("domain") or header
+        return self.monitor.label(raw)
+
+    def prepare_chat(self, req: ChatCompletionRequest, domain: str) -> RequestContext:
+        self._check_model(req.model)
+        prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
+        view = WireView(chat=True, model=req.model, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        return self._context(req, domain, prompt, req.max_completion_tokens or req.max_tokens or 256,
+                             req.top_logprobs or 0, view)
+
+    def prepare_completion(self, req: CompletionRequest, domain: str) -> RequestContext:
+        self._check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo with logprobs would return the prompt's log-probs, which are taken before the α "
+                           "head (not calibrated); ask for one of them", param="echo")
+        prompt = prepare_completion(self.tokenizer, req, self.artifact.answer_format)
+        view = WireView(chat=False, model=req.model, logprobs=req.logprobs, echo=req.prompt if req.echo else "")
+        return self._context(req, domain, prompt, req.max_tokens, req.logprobs or 0, view)
+
+    def _check_model(self, name: str) -> None:
+        if name != self.engine.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this gateway serves {self.engine.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def _context(self, req: SamplingFields, domain: str, prompt: PreparedPrompt, max_tokens: int, top: int,
+                 view: WireView) -> RequestContext:
+        request = self.planner.template(req, prompt, max_tokens, top)
+        policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
+        method, samples = self._method(req, domain)
+        scorer = self.scorers.for_prompt(prompt, method)
+        if method is ConfidenceMethod.SEMANTIC and not prompt.multiple_choice and req.n > 1:
+            raise APIError(400, "semantic confidence answers one question with one choice drawn from its samples; "
+                           "n must be 1", param="n")
+        job = ScoringJob(prompt, request, self._wants_raw(req), samples)
+        return RequestContext(req, domain, prompt, scorer, job, policy, view,
+                              f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}")
+
+    def _method(self, req: SamplingFields, domain: str) -> tuple[ConfidenceMethod, int]:
+        """The free-form confidence method and its sample count: the request's, else the domain's policy's."""
+        policy, _ = self.shared.policies.for_domain(domain)
+        asked = req.calm.confidence if req.calm and req.calm.confidence else None
+        method = ConfidenceMethod(asked or (policy.confidence if policy else "token"))
+        samples = (req.calm.samples if req.calm and req.calm.samples else None) or (
+            policy.samples if policy else Policy.model_fields["samples"].default)
+        return method, samples if method is ConfidenceMethod.SEMANTIC else 0
+
+    def _wants_raw(self, req: SamplingFields) -> bool:
+        if req.calm is not None and req.calm.raw_confidence is not None:
+            return req.calm.raw_confidence
+        return self.settings.raw_confidence
+
+    def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:
+        policy, name = self.shared.policies.for_domain(domain)
+        return resolve(policy, name, self.monitor.reference(domain), requested_threshold,
+                       self.shared.guarantees.fit_for(domain))
+
+    # -- policy, record -----------------------------------------------------------------------------------------------
+    def calibrate(self, scoring: Scoring, ctx: RequestContext) -> Served:
+        """The policy applied to each scored choice, the answer observed by the domain's monitor."""
+        answers = [self._answer(choice, scoring, ctx) for choice in scoring.choices]
+        return Served(ctx.response_id, answers, scoring.prompt_tokens)
+
+    def _answer(self, choice: ScoredChoice, scoring: Scoring, ctx: RequestContext) -> Answer:
+        policy, letters = ctx.policy, ctx.prompt.option_letters
+        below = policy.below(choice.confidence)
+        abstained = below and policy.action is Action.ABSTAIN
+        self.monitor.observe_answer(ctx.domain, choice.confidence, choice.entropy, below, abstained)
+        options = ([OptionProbability(label=label, probability=p) for label, p in zip(letters, choice.option_probs)]
+                   if choice.option_probs is not None else None)
+        clusters = [ClusterOut(answer=a, size=n) for a, n in choice.clusters] if choice.clusters is not None else None
+        calibration = Calibration(
+            confidence=choice.confidence, raw_confidence=choice.raw_confidence, abstained=abstained,
+            threshold=policy.threshold, policy=policy.name, domain=ctx.domain,
+            artifact_version=self.engine.artifact_version, mode=scoring.kind.value, entropy=choice.entropy,
+            options=options, policy_state=policy.state, method=scoring.method.value if scoring.method else None,
+            clusters=clusters)
+        return Answer(policy.message if abstained else choice.text, choice.finish_reason, calibration,
+                      choice.completion_tokens, self._positions(choice, letters))
+
+    def _positions(self, choice: ScoredChoice, letters):
+        if choice.output is None:  # the answer's one log-prob is the chosen option's, under the options' distribution
+            return lambda: [option_position(letters, choice.option_probs, choice.chosen)]
+        return partial(self.positions, choice.output)
+
+    def positions(self, out) -> list[Position]:
+        # vLLM's OpenAI server decodes each token alone (byte-level BPE tokenizers need no leading-space repair).
+        return token_positions(out.token_ids, out.token_logprobs, out.top_logprobs,
+                               lambda token_id: self.tokenizer.decode([token_id]))
+
+    async def record(self, served: Served, ctx: RequestContext) -> None:
+        """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
+        requests being served meanwhile; keep the question for retraining where the domain opted in."""
+        rows = [(response_key(served.response_id, i), ctx.domain, a.calibration.confidence)
+                for i, a in enumerate(served.answers)]
+        await self.shared.responses.add(rows)
+
+    def capture(self, ctx: RequestContext, answer: str | None) -> None:
+        if self.shared.capture is not None:
+            kind = "multiple_choice" if ctx.prompt.multiple_choice else "free_form"
+            self.shared.capture.add(ctx.domain, kind, ctx.request.question_text(),
+                                    list(ctx.request.options or []) or None, answer)
+
+    # -- respond ------------------------------------------------------------------------------------------------------
+    async def complete(self, ctx: RequestContext):
+        served = await self.answer(ctx)
+        self.capture(ctx, served.answers[0].text)
+        return ctx.view.response(served)
+
+    async def answer(self, ctx: RequestContext) -> Served:
+        served = self.calibrate(await ctx.scorer.score(ctx.job), ctx)
+        await self.record(served, ctx)
+        return served
+
+    async def stream(self, ctx: RequestContext) -> AsyncIterator[str]:
+        """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk. Buffered answers
+        come whole; free-form answers under an annotate policy stream token by token. Errors propagate: the router
+        turns them into an SSE error event."""
+        view, rid, n = ctx.view, ctx.response_id, ctx.job.request.n
+        self.capture(ctx, None)
+        try:
+            if view.chat:
+                yield view.chunk(rid, [view.role_delta(i) for i in range(n)])
+            if ctx.buffered:
+                served = await self.answer(ctx)
+                for i, answer in enumerate(served.answers):
+                    yield view.chunk(rid, [view.delta(i, answer.text, answer.positions, first=True)])
+                    yield view.chunk(rid, [view.finish(i, answer)])
+            else:
+                deltas = []
+                async for piece in self._token_chunks(ctx, deltas):
+                    yield piece
+                outs = EngineOutput.collect_choices(deltas, n)
+                served = self.calibrate(await ctx.scorer.read(ctx.job, outs), ctx)
+                await self.record(served, ctx)
+                for i, answer in enumerate(served.answers):
+                    yield view.chunk(rid, [view.finish(i, answer)])
+            if ctx.request.stream_options is not None and ctx.request.stream_options.include_usage:
+                yield view.chunk(rid, [], served.usage())
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            await self.engine.abort(ctx.job.request.request_id)
+            raise
+
+    async def _token_chunks(self, ctx: RequestContext, deltas: list) -> AsyncIterator[str]:
+        started = set()
+        async for delta in self.engine.stream(ctx.job.request):
+            deltas.append(delta)
+            if delta.text or delta.token_ids:
+                positions = partial(self.positions, delta)
+                yield ctx.view.chunk(ctx.response_id, [ctx.view.delta(delta.index, delta.text, positions,
+                                                                      first=delta.index not in started)])
+                started.add(delta.index)

@@ -1,0 +1,1 @@
+"""Protocol models per endpoint group (pydantic only, no logic), as vLLM's entrypoints keep them."""

@@ -1,0 +1,80 @@
+"""Admin API models: labelled questions, abstention policies, client API keys (pydantic only)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, StringConstraints, model_validator
+
+from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
+from gateway.protocol.common import DOMAIN_NAME, StrictInt
+
+
+class LabelledQuestion(BaseModel):
+    # `answer` indexes `options`: the schema says so per option count (JSON Schema cannot compare a number with a length).
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        {"if": {"properties": {"options": {"maxItems": k}}}, "then": {"properties": {"answer": {"maximum": k - 1}}}}
+        for k in range(MIN_OPTIONS, MAX_OPTIONS + 1)]})
+
+    question: StrictStr = Field(min_length=1)
+    options: list[StrictStr] = Field(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
+    answer: StrictInt = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _answer_is_an_option(self):
+        if self.answer >= len(self.options):
+            raise ValueError(f"answer {self.answer} is not one of the {len(self.options)} options (0-based)")
+        return self
+
+
+class LabelUpload(BaseModel):
+    """Labelled multiple-choice questions of a domain: the served artifact scores them and their verdicts become
+    labels for guaranteed-risk policies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    questions: list[LabelledQuestion] = Field(min_length=1, max_length=2000)
+
+
+class LabelUploadResult(BaseModel):
+    domain: str
+    scored: int
+    accuracy: float
+    labels: int  # the domain's labelled answers now
+
+
+class PolicyOut(BaseModel):
+    domain: str
+    version: int
+    policy: dict
+    effective_threshold: float
+    state: str | None = None  # guaranteed-risk policies: guaranteed, or the fallback in force and why
+
+
+class KeyCreate(BaseModel):
+    """A client API key to create: who it is for, the domains it may use (all when omitted), its rate limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr = Field(min_length=1, max_length=128)
+    domains: list[Annotated[str, StringConstraints(strict=True, pattern=DOMAIN_NAME)]] | None = Field(
+        default=None, min_length=1)
+    requests_per_minute: StrictFloat | None = Field(default=None, gt=0, le=1_000_000)
+
+
+class KeyOut(BaseModel):
+    id: str
+    name: str
+    domains: list[str] | None
+    requests_per_minute: float | None
+    created_at: float
+    revoked_at: float | None = None
+
+
+class KeyCreated(KeyOut):
+    key: str  # shown once; only its hash is stored
+
+
+class KeyList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[KeyOut]

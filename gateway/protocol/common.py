@@ -1,0 +1,30 @@
+"""What every endpoint group's protocol shares: integers as JSON Schema counts them, the domain-name rule, and the
+OpenAI error shape every error is answered in."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator
+from pydantic import StrictInt as _StrictInt
+
+
+def _integral(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# JSON Schema counts 12.0 as an integer; so does the gateway (anything else non-integral is refused, as strict ints).
+StrictInt = Annotated[_StrictInt, BeforeValidator(_integral)]
+NONBLANK = r"\S"  # a string with some non-whitespace character (the schema form of `text.strip() != ""`)
+DOMAIN_NAME = r"^[a-z0-9][a-z0-9_\-]{0,63}$"
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,23 @@
+"""Feedback on a served answer: the request and what was recorded (pydantic only)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from gateway.protocol.common import StrictInt
+from gateway.protocol.openai import MAX_CHOICES
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    response_id: StrictStr = Field(min_length=1)
+    correct: StrictBool
+    choice_index: StrictInt = Field(default=0, ge=0, lt=MAX_CHOICES)  # which choice of an n > 1 response
+
+
+class FeedbackResponse(BaseModel):
+    response_id: str
+    correct: bool
+    recorded: bool  # False when the same feedback had been recorded before (idempotent repeat)
+    domain: str

@@ -1,0 +1,1 @@
+"""The HTTP routes, one router per endpoint group; `gateway/app.py` only wires them."""

@@ -1,0 +1,138 @@
+"""Admin API: abstention policies, labelled questions, client API keys and the audit log. Every route needs the admin
+key."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from pydantic import ValidationError
+
+from gateway.errors import APIError
+from gateway.keys import ClientKey, issue_key
+from gateway.labels import score_labelled
+from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
+from gateway.protocol.admin import KeyCreate, KeyCreated, KeyList, KeyOut, LabelUpload, LabelUploadResult, PolicyOut
+from gateway.routers.deps import DomainPath, admin, checked_domain, documented, state
+from gateway.state import GatewayState
+from gateway.store import VersionConflict
+
+router = APIRouter()
+POLICY_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/Policy"}}}}}
+
+
+# -- abstention policies ----------------------------------------------------------------------------------------------
+def policy_out(gateway: GatewayState, domain: str, body: dict, version: int) -> PolicyOut:
+    policy = Policy.model_validate(body)
+    effective = resolve(policy, domain, gateway.monitor.reference(domain), None,
+                        gateway.shared.guarantees.fit_for(domain))
+    return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"),
+                     effective_threshold=effective.threshold, state=effective.state)
+
+
+def policies_changed(gateway: GatewayState) -> None:
+    gateway.shared.policies.refresh()
+    gateway.shared.guarantees.on_policy_change()
+
+
+@router.get("/admin/policies", responses=documented(401, 403))
+async def list_policies(_: str = Depends(admin), gateway: GatewayState = Depends(state)):
+    return {"data": [policy_out(gateway, d, b, v) for d, (b, v) in gateway.store.list_policies().items()]}
+
+
+@router.get("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
+async def get_policy(domain: DomainPath, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> PolicyOut:
+    found = gateway.store.get_policy(checked_domain(domain))
+    if found is None:
+        raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
+    return policy_out(gateway, domain, *found)
+
+
+@router.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 409), openapi_extra=POLICY_BODY)
+async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(admin),
+                     if_match: str | None = Header(default=None, pattern=r'^"?[0-9]+"?$'),
+                     gateway: GatewayState = Depends(state)) -> PolicyOut:
+    checked_domain(domain)
+    try:
+        policy = Policy.model_validate_json(await request.body())
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"invalid policy: {(loc + ': ') if loc else ''}{err['msg']}", param=loc or None) from None
+    expected = None
+    if if_match is not None:
+        if not if_match.strip('"').isdigit():
+            raise APIError(400, "If-Match must be a policy version number", param="If-Match")
+        expected = int(if_match.strip('"'))
+    try:
+        version = gateway.store.put_policy(domain, policy.model_dump(mode="json"), actor, expected)
+    except VersionConflict as e:
+        raise APIError(409, str(e), "conflict_error") from None
+    policies_changed(gateway)
+    return policy_out(gateway, domain, policy.model_dump(mode="json"), version)
+
+
+@router.delete("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
+async def delete_policy(domain: DomainPath, actor: str = Depends(admin), gateway: GatewayState = Depends(state)):
+    if not gateway.store.delete_policy(checked_domain(domain), actor):
+        raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
+    policies_changed(gateway)
+    return {"domain": domain, "deleted": True}
+
+
+# -- labelled questions -------------------------------------------------------------------------------------------------
+@router.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 404, 503))
+async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depends(admin),
+                        gateway: GatewayState = Depends(state)) -> LabelUploadResult:
+    domain = checked_domain(domain)
+    if domain == DEFAULT_DOMAIN or gateway.monitor.label(domain) != domain:
+        raise APIError(404, f"labels belong to a known serving domain; {domain!r} is not one", "not_found_error",
+                       param="domain")
+    verdicts = await score_labelled(gateway.deployments.for_domain(domain).service, domain, upload.questions)
+    # Kept with their answers for the retraining gate (judged on, never trained on).
+    await asyncio.to_thread(gateway.capture.add_labelled, domain,
+                            [(q.question, q.options, q.answer) for q in upload.questions])
+    return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
+                             labels=len(gateway.store.labelled_answers(domain)[0]))
+
+
+# -- client API keys ----------------------------------------------------------------------------------------------------
+def key_out(key: ClientKey) -> KeyOut:
+    return KeyOut(id=key.id, name=key.name, domains=list(key.domains) if key.domains else None,
+                  requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at)
+
+
+@router.post("/admin/keys", responses=documented(400, 401, 403), status_code=201)
+async def create_key(body: KeyCreate, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyCreated:
+    for domain in body.domains or []:
+        checked_domain(domain)
+    created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute)
+    gateway.keyring.refresh()
+    return created
+
+
+@router.get("/admin/keys", responses=documented(401, 403))
+async def list_keys(_: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyList:
+    return KeyList(data=[key_out(k) for k, _ in gateway.store.client_keys()])
+
+
+@router.delete("/admin/keys/{key_id}", responses=documented(401, 403, 404))
+async def revoke_key(key_id: str, _: str = Depends(admin), gateway: GatewayState = Depends(state)):
+    if not gateway.store.revoke_client_key(key_id):
+        raise APIError(404, f"no active API key with id {key_id!r}", "not_found_error", "key_id")
+    gateway.keyring.refresh()
+    return {"id": key_id, "revoked": True}
+
+
+@router.get("/admin/audit", responses=documented(400, 401, 403))
+async def audit(request: Request, domain: Annotated[str | None, Query(max_length=80)] = None,
+                limit: Annotated[int, Query(ge=1, le=1000)] = 100, _: str = Depends(admin),
+                gateway: GatewayState = Depends(state)):
+    for name in ("domain", "limit"):  # one value each; a query string cannot make "0.0" or "true" an integer
+        values = request.query_params.getlist(name)
+        if len(values) > 1 or (name == "limit" and values and not values[0].isdigit()):
+            raise APIError(400, f"{name} must be given once" + (", as a whole number" if name == "limit" else ""),
+                           param=name)
+    return {"data": gateway.store.audit_log(domain, limit)}

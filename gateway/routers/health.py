@@ -1,0 +1,29 @@
+"""Health (every loaded version's engine answers) and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.routers.deps import documented, state
+from gateway.state import GatewayState
+
+router = APIRouter()
+
+
+@router.get("/health", responses=documented(503))
+async def health(gateway: GatewayState = Depends(state)):
+    deployments = gateway.deployments
+    default = deployments.default.service
+    for deployment in list(deployments.loaded.values()):
+        await deployment.service.engine.check_health()
+    return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
+            "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe()}
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition"}})
+async def prometheus_metrics(gateway: GatewayState = Depends(state)):
+    return Response(generate_latest(gateway.prometheus), media_type=CONTENT_TYPE_LATEST)

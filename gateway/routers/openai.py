@@ -1,0 +1,103 @@
+"""OpenAI-compatible routes: chat completions, completions, models.
+
+Each answer runs on the version serving its domain now (a swap during the request lets it finish on that one), under
+the in-flight limit and the request deadline; errors are counted per endpoint and domain, and a stream's failure
+becomes an SSE error event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.deployments import Deployment
+from gateway.errors import ErrorClass, classify, log, sse_error
+from gateway.keys import ClientKey
+from gateway.limits import deadline
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from gateway.routers.deps import client, documented, state
+from gateway.state import GatewayState
+
+router = APIRouter()
+ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
+
+
+@router.post("/v1/chat/completions", responses=ANSWER_ERRORS)
+async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),
+                           key: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)):
+    return await answer(gateway, "chat", req, x_calm_domain, key)
+
+
+@router.post("/v1/completions", responses=ANSWER_ERRORS)
+async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None),
+                      key: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)):
+    return await answer(gateway, "completions", req, x_calm_domain, key)
+
+
+@router.get("/v1/models", responses=documented(401))
+async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)) -> ModelList:
+    return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
+
+
+async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, domain_header: str | None,
+                 key: ClientKey | None) -> Response:
+    start = time.perf_counter()
+    domain = gateway.deployments.default.service.domain_of(req, domain_header)
+    try:
+        gateway.keyring.admit(key, domain)
+        gateway.in_flight.acquire()
+        deployment = gateway.deployments.for_domain(domain)
+        deployment.in_flight += 1
+        held = False
+        try:
+            async with deadline(gateway.settings.request_deadline_s):
+                service = deployment.service
+                ctx = service.prepare_chat(req, domain) if endpoint == "chat" else service.prepare_completion(req, domain)
+                if req.stream:  # the slots are held until the stream's last chunk
+                    stream = held_until_done(counted(gateway, endpoint, domain, service.stream(ctx)), deployment)
+                    held = True
+                else:
+                    body = await service.complete(ctx)
+        finally:
+            if not held:
+                gateway.in_flight.release()
+                deployment.in_flight -= 1
+    except Exception as e:
+        count_error(gateway, endpoint, domain, e)
+        raise
+    gateway.metrics.requests.labels(endpoint, domain, "200").inc()
+    if held:
+        return StreamingResponse(gateway.in_flight.hold_stream(stream), media_type="text/event-stream")
+    gateway.metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def count_error(gateway: GatewayState, endpoint: str, domain: str, exc: BaseException) -> ErrorClass:
+    error = classify(exc)
+    gateway.metrics.errors.labels(endpoint, domain, error.type).inc()
+    gateway.metrics.requests.labels(endpoint, domain, str(error.status)).inc()
+    return error
+
+
+async def counted(gateway: GatewayState, endpoint: str, domain: str, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream whose failure becomes an SSE error event and [DONE], classified and counted like any error."""
+    try:
+        async for piece in stream:
+            yield piece
+    except Exception as e:
+        error = count_error(gateway, endpoint, domain, e)
+        if error.unexpected:
+            log.error("unhandled error in a %s stream", endpoint, exc_info=e)
+        yield sse_error(error)
+
+
+async def held_until_done(stream: AsyncIterator[str], deployment: Deployment) -> AsyncIterator[str]:
+    """A response stream that keeps its deployment in use until the last chunk (or the client's disconnect)."""
+    try:
+        async for piece in stream:
+            yield piece
+    finally:
+        deployment.in_flight -= 1

@@ -1,0 +1,36 @@
+"""Everything the routers reach for, built once per app by `create_app` (nothing at import time)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from calm_core.capture import Capture
+from calm_core.jobs import JobQueue
+from calm_core.registry import Registry
+from gateway.deployments import Deployments
+from gateway.keys import KeyRing
+from gateway.limits import InFlight
+from gateway.monitoring import DomainMonitor, Metrics
+from gateway.pipeline import SharedParts
+from gateway.retraining import CaptureBook
+from gateway.settings import GatewaySettings
+from gateway.store import Store
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    store: Store
+    prometheus: CollectorRegistry
+    metrics: Metrics
+    monitor: DomainMonitor
+    shared: SharedParts  # policies, guarantees, capture and the response writer, shared by every version
+    deployments: Deployments
+    artifacts: Registry
+    jobs: JobQueue
+    capture: Capture
+    capture_book: CaptureBook
+    keyring: KeyRing
+    in_flight: InFlight
