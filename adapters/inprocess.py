@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import weakref
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
-from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
+from adapters.merged_weights import merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact, read_manifest
+from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 
 
 def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
@@ -257,3 +261,19 @@ class InProcessVLLMEngine:
             if weights in self._keys:
                 SHARED.release(self._keys.pop(weights))
         self._engines = {}
+
+
+@asynccontextmanager
+async def artifact_engine(base_model: str, artifact_dir: str) -> AsyncIterator[InProcessVLLMEngine]:
+    """An `EngineFactory` for offline evaluation: vLLM in process on the artifact's weights (its adapter merged into a
+    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = merged_model_dir(base_model, load_artifact(artifact_dir), Path(tmp))
+        engine = InProcessVLLMEngine(EngineConfig(model_path=str(weights), artifact_path=str(artifact_dir),
+                                                  max_model_len=1024))
+        await engine.start()
+        try:
+            yield engine
+        finally:
+            await engine.close()
+

@@ -189,9 +189,10 @@ def eval_cmd(
     if any(s.open_ended for s in specs):
         if not all(s.open_ended for s in specs) or gateway or answer_format:
             raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone, offline: no --gateway or --answer-format")
+        from adapters.inprocess import artifact_engine
         from training.free_form_eval import run_free_form_eval
 
-        summary = run_free_form_eval(specs, str(artifact) if artifact else None, model, limit or None, seed, samples, out)
+        summary = run_free_form_eval(artifact_engine, specs, str(artifact) if artifact else None, model, limit or None, seed, samples, out)
         typer.echo((out / "report.md").read_text())
         return
     if gateway:
@@ -266,7 +267,8 @@ def train_cmd(
     if resume and trainer.resume():
         typer.echo(f"resumed from step {trainer.step}")
     trainer.train()
-    if trainer.fmt.generative:  # free-form answers are measured as served, after export (vLLM in a child process)
+    if trainer.fmt.generative:  # free-form answers are measured as served, after export (vLLM, as the gateway)
+        from adapters.inprocess import artifact_engine
         from training.free_form_eval import measure_artifact
 
         path = trainer.export({}, merged=merged)
@@ -275,7 +277,7 @@ def train_cmd(
                                                               ("test_out_of_domain", "out_of_domain"))
                  for label, qs in split.sources[role].items()}
         held_out = [q for role in ("calibration", "test_in_domain", "test_out_of_domain") for q in split.role(role)]
-        metrics = measure_artifact(path, trainer.resolved.path, tests, held_out)
+        metrics = measure_artifact(artifact_engine, path, trainer.resolved.path, tests, held_out)
     else:
         metrics = trainer.evaluate()
         path = trainer.export(metrics, merged=merged)
@@ -313,9 +315,10 @@ def report_cmd(
     steps = steps or (max(base.steps // 4, 10) if quick else None)
     out = out or Path("reports/open-ended" if open_ended else "reports/calm")
     if open_ended:
+        from adapters.inprocess import artifact_engine
         from training.open_report import run_open_report
 
-        run_open_report(base, seeds[:1] if quick else list(seeds), out, steps, 4 if quick else samples,
+        run_open_report(artifact_engine, base, seeds[:1] if quick else list(seeds), out, steps, 4 if quick else samples,
                         limit=50 if quick else None)
         typer.echo((out / "report.md").read_text())
         typer.echo(f"wrote {out}/report.json, report.md, reliability-*.png")

@@ -10,6 +10,7 @@ All log-probs are the engine's calibrated ones (α head applied inside vLLM).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -121,6 +122,14 @@ class EngineClient(Protocol):
 
     def describe(self) -> dict:
         """What serves requests and with which settings in force (for /health)."""
+
+
+class EngineFactory(Protocol):
+    """Starts an engine serving an artifact: its weights (its LoRA adapter merged into `base_model`, if it has one) and
+    its α head; the engine is closed when the context ends. Offline evaluation takes one from the caller (the CLI
+    passes vLLM in process), so training scores free-form answers as served without importing an engine."""
+
+    def __call__(self, base_model: str, artifact_dir: str) -> AbstractAsyncContextManager[EngineClient]: ...
 
 
 async def generate(engine: EngineClient, request: EngineRequest) -> EngineOutput:

@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from calm_core.metrics import binned_calibration_error  # noqa: E402
+
 
 def reliability_diagram(
     panels: dict[str, tuple[np.ndarray, np.ndarray]],
@@ -21,8 +23,6 @@ def reliability_diagram(
 
     `panels` maps a name to (confidence, correct).
     """
-    from calm_core.metrics import binned_calibration_error
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     n = len(panels)

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from adapters.engine_settings import EngineOverrides
+from calm_core.paths import calm_home
 
 DEV_ADMIN_KEY = "dev-admin-key"
 
@@ -76,8 +77,6 @@ class GatewaySettings(BaseSettings):
         if self.registry_dir is not None:
             return self.registry_dir
         if self.db_url:
-            from calm_core.paths import calm_home
-
             return calm_home() / "registry"
         return self.db_path.parent / "registry"
 

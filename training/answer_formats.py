@@ -24,6 +24,7 @@ from calm_core.alpha_head import apply_alpha
 from calm_core.data import MCQuestion
 from calm_core.prompts import AnswerFormatName, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
+from training.generative import GenerativeFormat
 from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
 from training.objectives import cross_entropy, entropy, mask_options
 from training.top_layers import collate, encode_prefix, last_logits
@@ -144,7 +145,5 @@ class ClozeFormat(OptionLosses):
 def answer_format(name: AnswerFormatName, tokenizer, targets: dict | None = None) -> AnswerFormat:
     """The format by name; the generative one needs each question's answer tokens (training/generative.py)."""
     if name == "generative":
-        from training.generative import GenerativeFormat
-
         return GenerativeFormat(tokenizer, targets or {})
     return LetterFormat(tokenizer) if name == "letter" else ClozeFormat()

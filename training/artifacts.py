@@ -15,6 +15,8 @@ from calm_core.hashing import sha256_file, vocab_sha256
 from calm_core.metrics import calibration_report, confidence_histogram, top_label
 from calm_core.models import ResolvedModel, model_weights_sha256, resolve_model
 from calm_core.paths import BUNDLED_DATA_DIR
+from training.artifact_scoring import option_probabilities
+from training.scoring import load_causal_lm, load_tokenizer, output_vocab_size
 
 REFERENCE_BINS = 10  # coarse enough that a 100-answer live window is not mostly sampling noise
 
@@ -24,13 +26,6 @@ def model_refs(resolved: ResolvedModel, tokenizer, vocab_size: int) -> tuple[Bas
         BaseModelRef(id=resolved.id, weights_sha256=model_weights_sha256(resolved)),
         TokenizerRef(sha256=vocab_sha256(tokenizer.get_vocab()), vocab_size=vocab_size),
     )
-
-
-def output_vocab_size(model_path: str) -> int:
-    """Rows of the LM head: what the α head must cover (may exceed len(tokenizer) for padded vocabularies)."""
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(model_path).vocab_size)
 
 
 def reference_questions(root: Path = BUNDLED_DATA_DIR) -> list[MCQuestion]:
@@ -55,8 +50,6 @@ def reference_histogram(confidence: np.ndarray) -> ReferenceHistogram:
 def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: AlphaHead | None, batch_size: int = 16):
     """Per serving domain (and 'all'): the histogram of calibrated top-label confidences, and the metrics (letter
     format: what identity and hand-made heads serve)."""
-    from training.artifact_scoring import option_probabilities
-
     probs = option_probabilities(model, tokenizer, questions, "letter", head, batch_size)
     labels = np.asarray([q.answer for q in questions])
     n_options = np.asarray([q.n_options for q in questions])
@@ -71,8 +64,6 @@ def reference_statistics(model, tokenizer, questions: list[MCQuestion], head: Al
 
 
 def write_identity_artifact(out: str | Path, model: str | None = None, with_reference: bool = True) -> ArtifactManifest:
-    from training.scoring import load_causal_lm, load_tokenizer
-
     resolved = resolve_model(model)
     tokenizer = load_tokenizer(resolved.path)
     vocab = output_vocab_size(resolved.path)

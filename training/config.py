@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from calm_core.toml_config import load_toml_model
 from calm_core.prompts import AnswerFormatName
+from training.methods import METHODS
 
 Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
 
@@ -60,8 +61,6 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        from training.methods import METHODS
-
         spec = METHODS[self.method]
         if spec.head is not None:
             self.head = spec.head

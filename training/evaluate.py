@@ -16,12 +16,15 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from calm_core.data import MCQuestion, default_split, load_mc, load_mc_file
+from pydantic import ValidationError
+
+from calm_core.data import OPEN_DATASETS, MCQuestion, default_split, load_mc, load_mc_file, load_open
 from calm_core.errors import ConfigError, DataError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.plots import reliability_diagram
 from calm_core.prompts import AnswerFormatName
+from calm_core.splits import SourceSpec, select
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
 from training.scoring import load_tokenizer
 
@@ -51,8 +54,6 @@ class DatasetSpec:
 
     @property
     def open_ended(self) -> bool:
-        from calm_core.data import OPEN_DATASETS
-
         return self.name in OPEN_DATASETS
 
     @property
@@ -67,17 +68,11 @@ class DatasetSpec:
                 raise DataError(f"data file not found: {self.name}")
             return load_mc_file(self.name)
         if self.fraction is not None:
-            from pydantic import ValidationError
-
-            from calm_core.splits import SourceSpec, select
-
             try:
                 return select(SourceSpec(dataset=self.name, split=self.split, fraction=self.fraction), seed=0)
             except ValidationError as e:
                 raise DataError(f"{self.label}: {e.errors()[0]['msg']}") from None
         if self.open_ended:
-            from calm_core.data import load_open
-
             return load_open(self.name, self.split)
         return load_mc(self.name, self.split)
 

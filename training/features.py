@@ -77,3 +77,38 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
 def concat(sets: list[EncodedSet], label: str) -> EncodedSet:
     return EncodedSet(label, [q for s in sets for q in s.questions], [h for s in sets for h in s.items],
                       torch.cat([s.labels for s in sets]), torch.cat([s.n_options for s in sets]))
+
+
+@dataclass
+class Batch:
+    items: list  # encoded questions, as the answer format made them
+    labels: torch.Tensor
+    n_options: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.n_options.max())
+
+
+class BatchStream:
+    """Deterministic batches: a fresh seeded permutation per epoch; the position is two integers (resumable)."""
+
+    def __init__(self, data: EncodedSet, batch_size: int, seed: int):
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.epoch, self.pos = 0, 0
+
+    def _perm(self) -> torch.Tensor:
+        return torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+
+    def next(self) -> Batch:
+        if self.pos + self.batch_size > len(self.data):
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = self._perm()[self.pos : self.pos + self.batch_size].tolist()
+        self.pos += self.batch_size
+        return Batch([self.data.items[i] for i in idx], self.data.labels[idx], self.data.n_options[idx])
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 
 from calm_core.alpha_head import AlphaHead  # noqa: E402
 from calm_core.artifact import save_artifact  # noqa: E402
+from calm_core.engine import EngineFactory  # noqa: E402
 from calm_core.plots import reliability_diagram  # noqa: E402
 from training.artifacts import model_refs  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
@@ -59,14 +60,15 @@ def _test_questions(trainer: Trainer, limit: int | None = None) -> dict[str, lis
     return {name: [q for qs in trainer.split.sources[role].values() for q in qs][:limit] for role, name in ROLES}
 
 
-def _evaluate(model_dir, artifact_dir, tests: dict[str, list], samples: int) -> tuple[dict, dict]:
+def _evaluate(engines: EngineFactory, weights, artifact_dir, tests: dict[str, list], samples: int) -> tuple[dict, dict]:
     """Metrics per role, and the records (for plots). Sampled answers (semantic confidence) out of domain only: the
     targets are there, and sampling is most of an evaluation's cost (in-domain rows report token confidence)."""
-    per_role = evaluate_sets(model_dir, artifact_dir, tests, samples, sampled={"out_of_domain"})
+    per_role = evaluate_sets(engines, weights, artifact_dir, tests, samples, sampled={"out_of_domain"})
     return {name: free_form_metrics(recs) for name, recs in per_role.items()}, per_role
 
 
-def _uncalibrated(trainer: Trainer, tests: dict[str, list], samples: int, out: Path) -> tuple[dict, dict]:
+def _uncalibrated(engines: EngineFactory, trainer: Trainer, tests: dict[str, list], samples: int,
+                  out: Path) -> tuple[dict, dict]:
     """The model before fine-tuning, no head; its records are kept in `out` and reused by the other direction (both
     directions test on the same questions, in swapped roles)."""
     cache = out / f"uncalibrated-records-{samples}.json"
@@ -75,7 +77,7 @@ def _uncalibrated(trainer: Trainer, tests: dict[str, list], samples: int, out: P
     if missing:
         with tempfile.TemporaryDirectory() as tmp:
             identity = _head_artifact(Path(tmp, "identity"), trainer, AlphaHead.identity(trainer.vocab_size), "identity")
-            known.update({r.id: r for r in evaluate_served(trainer.resolved.path, identity, missing, samples)})
+            known.update({r.id: r for r in evaluate_served(engines, trainer.resolved.path, identity, missing, samples)})
         cache.write_text(json.dumps([asdict(r) for r in known.values()]))
     per_role = {name: [known[q.id] for q in qs] for name, qs in tests.items()}
     return {name: free_form_metrics(recs) for name, recs in per_role.items()}, per_role
@@ -106,7 +108,7 @@ def posthoc_temperatures(trainer: Trainer) -> dict[str, float]:
     return {"sft+temperature": temperature, "sft+daca": daca}
 
 
-def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path, samples: int,
+def run_direction(engines: EngineFactory, base: TrainConfig, direction: str, seeds: list[int], out: Path, samples: int,
                   steps: int | None, results: dict, pooled: dict, limit: int | None = None) -> None:
     split = DIRECTIONS[direction]
     for seed in seeds:
@@ -122,7 +124,7 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
             tests = _test_questions(trainer, limit)
             if "uncalibrated" not in results[direction]["_done"]:
                 clock = time.monotonic()
-                metrics, recs = _uncalibrated(trainer, tests, samples, out)
+                metrics, recs = _uncalibrated(engines, trainer, tests, samples, out)
                 for s in seeds:  # one measurement, shown for every seed; its time counted once
                     results[direction]["uncalibrated"][s] = {**metrics, "seconds": {"evaluate": 0.0}}
                 results[direction]["uncalibrated"][seeds[0]]["seconds"]["evaluate"] = time.monotonic() - clock
@@ -138,8 +140,8 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
             train_seconds = clock - started
             with tempfile.TemporaryDirectory() as tmp:
                 clock = time.monotonic()
-                merged = trainer.write_merged(Path(tmp, "merged"))
-                metrics, recs = _evaluate(merged, artifact, tests, samples)
+                metrics, recs = _evaluate(engines, trainer.resolved.path, artifact, tests, samples)  # adapter merged
+                merged = trainer.write_merged(Path(tmp, "merged")) if temps else None
                 metrics["seconds"] = {"train": train_seconds, "evaluate": time.monotonic() - clock}
                 results[direction][method][seed] = metrics
                 if seed == seeds[0]:
@@ -147,7 +149,7 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
                 for row, t in temps.items():
                     clock = time.monotonic()
                     head_dir = _head_artifact(Path(tmp, row.replace("+", "-")), trainer, AlphaHead.scalar(t), row)
-                    metrics, recs = _evaluate(merged, head_dir, tests, samples)
+                    metrics, recs = _evaluate(engines, merged, head_dir, tests, samples)  # SFT's weights
                     metrics["in_domain"]["fitted_temperature"] = t
                     metrics["seconds"] = {"fit": fitting, "evaluate": time.monotonic() - clock}
                     results[direction][row][seed] = metrics
@@ -157,7 +159,7 @@ def run_direction(base: TrainConfig, direction: str, seeds: list[int], out: Path
             _write(out, base, seeds, steps, samples, limit, results, pooled)
 
 
-def run_open_report(base: TrainConfig, seeds: list[int], out: Path, steps: int | None = None, samples: int = 8,
+def run_open_report(engines: EngineFactory, base: TrainConfig, seeds: list[int], out: Path, steps: int | None = None, samples: int = 8,
                     directions: list[str] | None = None, limit: int | None = None) -> dict:
     """Every row of both directions (or those named); `limit`: test questions per role (the splits hold 200)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,7 @@ def run_open_report(base: TrainConfig, seeds: list[int], out: Path, steps: int |
     pooled: dict[str, dict[str, list[FreeFormRecord]]] = {d: {} for d in DIRECTIONS}
     _resume(out, base, steps, samples, limit, results, pooled)
     for direction in directions or list(DIRECTIONS):
-        run_direction(base, direction, seeds, out, samples, steps, results, pooled, limit)
+        run_direction(engines, base, direction, seeds, out, samples, steps, results, pooled, limit)
     return json.loads((out / "report.json").read_text())
 
 

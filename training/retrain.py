@@ -45,6 +45,11 @@ from calm_core.registry import Registry
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
 from calm_core.toml_config import dump_toml, load_toml_model
+from training.artifact_scoring import load_served_model, option_probabilities
+from training.artifacts import reference_histogram
+from training.config import load_config
+from training.scoring import load_tokenizer
+from training.trainer import Trainer
 
 log = logging.getLogger("calm.worker")
 
@@ -163,8 +168,6 @@ def job_split(cfg: LoopConfig, train_split_path: str, domain: str, calibration_f
 # -- scoring and judging ---------------------------------------------------------------------------------------------
 def served_probabilities(artifact_dir: Path, model_path: str, *question_sets: list[MCQuestion]) -> list[np.ndarray]:
     """Each set's option probabilities under an artifact, scored as the gateway serves it; the model loads once."""
-    from training.artifact_scoring import load_served_model, option_probabilities
-    from training.scoring import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     artifact = load_artifact(artifact_dir)
@@ -247,8 +250,6 @@ class Worker:
             done += 1
 
     def run_job(self, job: Job) -> Job:
-        from training.config import load_config
-
         job_dir = Path(self.cfg.runs_dir) / job.id
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
@@ -294,8 +295,6 @@ class Worker:
                                        if parent_artifact else (None, None))
 
         # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
-        from training.artifacts import reference_histogram
-
         manifest = load_artifact(exported).manifest
         update_manifest(exported, reference_histograms={**manifest.reference_histograms,
                                                         domain: reference_histogram(cand_calib.max(axis=1))})
@@ -333,8 +332,6 @@ class Worker:
             with open(job_dir / "train.out", "a") as out:
                 subprocess.run(argv, check=True, stdout=out, stderr=subprocess.STDOUT)
             return Path(train_cfg.out_dir) / "artifact"
-        from training.trainer import Trainer
-
         trainer = Trainer(train_cfg, show_progress=False).setup()
         if trainer.resume():
             beat.note(f"resumed from the checkpoint at step {trainer.step}")

@@ -1,12 +1,14 @@
 """Loading Hugging Face models and tokenizers, and the last position's logits of a batch of prompts (an independent
-full-model reference for tests; scoring itself goes through training/artifact_scoring.py).
+full-model reference for tests; scoring itself goes through the scorers, training/artifact_scoring.py).
+
+transformers is imported where a model or tokenizer is loaded: importing it costs seconds, and the CLI's commands that
+load no model should not pay for it.
 
 Only the last position's logits are computed (`logits_to_keep=1`): the full (batch, seq, vocab) tensor would cost
 gigabytes.
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -20,6 +22,13 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise ModelError(f"cannot load tokenizer of {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def output_vocab_size(model_path: str) -> int:
+    """Rows of the LM head: what the α head must cover (may exceed len(tokenizer) for padded vocabularies)."""
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).vocab_size)
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):

@@ -19,7 +19,6 @@ import os
 import random
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,8 @@ from training.alpha_params import AlphaParams
 from training.answer_formats import answer_format
 from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.config import TrainConfig
-from training.features import EncodedSet, concat, encode_sets
+from training.features import Batch, BatchStream, EncodedSet, concat, encode_sets
+from training.generative import answer_nll, gold_target, greedy_targets
 from training.methods import METHODS
 from training.objectives import mask_options
 from training.scoring import load_causal_lm, load_tokenizer
@@ -46,41 +46,6 @@ log = logging.getLogger("calm.train")
 CHECKPOINT = "checkpoint.pt"
 # What may differ between a checkpoint and the run that resumes it: running longer or logging differently.
 RESUMABLE_CHANGES = {"steps", "eval_every", "checkpoint_every", "out_dir"}
-
-
-@dataclass
-class Batch:
-    items: list  # encoded questions, as the answer format made them
-    labels: torch.Tensor
-    n_options: torch.Tensor
-
-    @property
-    def width(self) -> int:
-        return int(self.n_options.max())
-
-
-class BatchStream:
-    """Deterministic batches: a fresh seeded permutation per epoch; the position is two integers (resumable)."""
-
-    def __init__(self, data: EncodedSet, batch_size: int, seed: int):
-        self.data, self.batch_size, self.seed = data, batch_size, seed
-        self.epoch, self.pos = 0, 0
-
-    def _perm(self) -> torch.Tensor:
-        return torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-
-    def next(self) -> Batch:
-        if self.pos + self.batch_size > len(self.data):
-            self.epoch, self.pos = self.epoch + 1, 0
-        idx = self._perm()[self.pos : self.pos + self.batch_size].tolist()
-        self.pos += self.batch_size
-        return Batch([self.data.items[i] for i in idx], self.data.labels[idx], self.data.n_options[idx])
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
 
 
 class Trainer:
@@ -161,8 +126,6 @@ class Trainer:
     def _answer_targets(self) -> dict[str, tuple[int, ...]]:
         """Free form: the gold answer of every labelled question; the model's own greedy answer to every calibration
         prompt (its labels are never read)."""
-        from training.generative import gold_target, greedy_targets
-
         targets = {q.id: gold_target(self.tokenizer, q) for role in ("train", "test_in_domain", "test_out_of_domain")
                    for q in self.split.role(role)}
         with self.model.disable_adapter():
@@ -267,8 +230,6 @@ class Trainer:
     @torch.no_grad()
     def free_form_quick_eval(self, batch_size: int = 32) -> dict:
         """Mean calibrated NLL of the gold answers of the first in-domain test set, and the calibration entropy."""
-        from training.generative import answer_nll
-
         out = {}
         for key, data, fn in (("gold_nll", next(iter(self.sets["test_in_domain"].values())), answer_nll),
                               ("calib_entropy", self.calib_set, None)):

@@ -1,0 +1,100 @@
+"""The code's shape, as the layering and the style guide ask: small files and functions, no import circles, imports
+one way (gateway -> adapters -> calm_core; training -> calm_core), and project imports at the top of a file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gateway", "adapters", "training", "calm_core")
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 60
+# What each package may import from the project (besides itself): the layering of the README's Layout section.
+ALLOWED = {"calm_core": set(), "training": {"calm_core"}, "adapters": {"calm_core"}, "gateway": {"adapters", "calm_core"}}
+
+
+def sources(packages=PACKAGES) -> dict[str, Path]:
+    found = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """(module imported, whether inside a function) for every project import of a file."""
+    tree = ast.parse(path.read_text())
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    # Imports for type annotations only never run, so they make no circle.
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                   and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, id(node) in local))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in local) for alias in node.names]
+    return [(m, inside) for m, inside in found if m.split(".")[0] in PACKAGES + ("calm_cli",)]
+
+
+def test_no_file_or_function_is_too_long():
+    long_files, long_functions = [], []
+    for module, path in sources().items():
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            long_files.append(f"{module}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{module}.{node.name}: {length} lines")
+    assert not long_files, long_files
+    assert not long_functions, long_functions
+
+
+def test_packages_import_only_downwards():
+    wrong = [f"{module} imports {target}" for module, path in sources().items() for target, _ in imports(path)
+             if (mine := module.split(".")[0]) != (theirs := target.split(".")[0]) and theirs not in ALLOWED[mine]]
+    assert not wrong, wrong
+
+
+def test_no_import_circles_even_through_imports_inside_functions():
+    modules = sources()
+
+    def resolve(target: str) -> str | None:  # `from a.b import c` names module a.b.c or a name in a.b
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    graph = {m: {t for name, _ in imports(p) if (t := resolve(name)) and t != m} for m, p in modules.items()}
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, circles
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_project_modules_are_imported_at_the_top_of_a_file(package):
+    """An import inside a function is for a heavy optional dependency (transformers, peft, vLLM, ...), never to hide
+    a circle between the project's own modules."""
+    inside = [f"{module} imports {target} inside a function" for module, path in sources((package,)).items()
+              for target, local in imports(path) if local]
+    assert not inside, inside

@@ -1,0 +1,167 @@
+"""Each scorer against a scripted engine: what it asks the engine for, and the numbers it reads back (pure logic; the
+real engines are checked against each other in test_offline_scoring.py and the gateway suites)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from calm_core.engine import EngineDelta, EngineRequest
+from calm_core.prompts import LETTERS, ClozeTokens, PreparedPrompt, letter_token_ids
+from calm_core.scorers.base import AnswerKind, ConfidenceMethod, ScoringJob, ScoringPath
+from calm_core.scorers.free_form import SemanticScorer, TokenScorer
+from calm_core.scorers.options import ClozeOnePassScorer, ClozePerTokenScorer, LetterScorer
+from calm_core.scorers.registry import SCORERS, Scorers
+from tests.test_gateway_logic import _tiny_tokenizer
+
+
+class Scripted:
+    """An engine whose answers a test writes: `answer(request)` returns the one delta per completion."""
+
+    model_name, artifact_version, max_model_len = "m", "v", 2048
+    folded_scoring = free_form_mode = prompt_logprobs = False
+
+    def __init__(self, answer, **capabilities):
+        self.answer, self.requests = answer, []
+        self.__dict__.update(capabilities)
+
+    async def stream(self, request: EngineRequest):
+        self.requests.append(request)
+        for delta in self.answer(request):
+            yield delta
+
+
+def run(scorer, job):
+    return asyncio.run(scorer.score(job))
+
+
+def letter_job(n_options=3, **request):
+    return ScoringJob(PreparedPrompt("question?", LETTERS[:n_options]), EngineRequest(request_id="r", prompt="question?",
+                                                                                        max_tokens=1, **request))
+
+
+def test_letter_scorer_asks_for_the_letters_and_renormalises_over_them_with_a_raw_pass():
+    tokenizer = _tiny_tokenizer()
+    a, b, c = letter_token_ids(tokenizer)[:3]
+
+    def answer(request):  # calibrated: 0.5 / 0.3 / 0.1 of the vocabulary; raw: uniform over the options
+        lps = {a: math.log(0.5), b: math.log(0.3), c: math.log(0.1)} if request.calibrated else {a: -1.0, b: -1.0, c: -1.0}
+        return [EngineDelta(text="B", token_ids=[b], token_logprobs=[lps[b]], top_logprobs=[lps], prompt_tokens=9,
+                            index=i) for i in range(request.n)]
+
+    engine = Scripted(answer)
+    scoring = run(LetterScorer(engine, tokenizer), ScoringJob(letter_job().prompt, letter_job().request, with_raw=True))
+    calibrated, raw = engine.requests
+    assert calibrated.option_token_ids == (a, b, c) and calibrated.max_tokens == 1 and calibrated.calibrated
+    assert not raw.calibrated and raw.n == 1 and raw.request_id == "r-raw"
+    (choice,) = scoring.choices
+    np.testing.assert_allclose(choice.option_probs, [0.5 / 0.9, 0.3 / 0.9, 0.1 / 0.9])
+    # The engine's sampled token is the answer (here B, not the most probable A); raw: B's share without the head.
+    assert choice.text == "B" and choice.chosen == 1 and choice.confidence == pytest.approx(0.3 / 0.9)
+    assert choice.raw_confidence == pytest.approx(1 / 3) and scoring.prompt_tokens == 9
+    assert scoring.kind is AnswerKind.MULTIPLE_CHOICE and scoring.method is None
+    two = run(LetterScorer(Scripted(answer), tokenizer), letter_job(n=2, temperature=1.0))
+    assert len(two.choices) == 2 and all(c.raw_confidence is None for c in two.choices)
+
+
+def cloze_job(**request):
+    tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,)))
+    return ScoringJob(PreparedPrompt("Question: q\nAnswer:", LETTERS[:2], tokens),
+                      EngineRequest(request_id="r", prompt="Question: q\nAnswer:", max_tokens=1, **request))
+
+
+def per_token_answer(request):
+    """Option token t after k prompt tokens has log-prob -(k + t / 100); raw ones 1 lower."""
+    token = request.option_token_ids[0]
+    value = -(len(request.prompt_token_ids) + token / 100) - (0.0 if request.calibrated else 1.0)
+    return [EngineDelta(text="x", token_ids=[7], token_logprobs=[-1.0], top_logprobs=[{token: value, 7: -1.0}])]
+
+
+def test_cloze_per_token_scorer_softmaxes_mean_token_log_probs_and_samples_options_at_temperature():
+    engine = Scripted(per_token_answer)
+    scoring = run(ClozePerTokenScorer(engine), ScoringJob(cloze_job().prompt, cloze_job().request, with_raw=True))
+    scores = np.array([-(3.40 + 4.41) / 2, -3.50])
+    expected = np.exp(scores - np.logaddexp(*scores))
+    (choice,) = scoring.choices
+    np.testing.assert_allclose(choice.option_probs, expected)
+    assert choice.chosen == int(np.argmax(expected)) and choice.text == LETTERS[choice.chosen]
+    assert choice.raw_confidence == pytest.approx(expected[choice.chosen])  # raw shifts every score by the same 1
+    assert len(engine.requests) == 2 * 3  # one request per option token, calibrated and raw
+    assert scoring.prompt_tokens == 3 + 3
+    sampled = run(ClozePerTokenScorer(Scripted(per_token_answer)), cloze_job(temperature=1.0, n=50, seed=1))
+    picks = [c.chosen for c in sampled.choices]
+    assert set(picks) == {0, 1} and all(c.confidence == pytest.approx(expected[c.chosen]) for c in sampled.choices)
+
+
+def test_cloze_one_pass_scorer_reads_folded_prompt_log_probs_one_request_per_option():
+    def answer(request):
+        ids = request.prompt_token_ids
+        lps = [math.nan] + [-(i + t / 100) - (1.0 if request.folded else 0.0) for i, t in enumerate(ids) if i > 0]
+        return [EngineDelta(text="x", token_ids=[7], token_logprobs=[-1.0], top_logprobs=[{7: -1.0}],
+                            prompt_logprobs=lps)]
+
+    engine = Scripted(answer, folded_scoring=True)
+    (choice,) = run(ClozeOnePassScorer(engine), cloze_job()).choices
+    scores = np.array([-(3.40 + 4.41) / 2 - 1, -3.50 - 1])
+    np.testing.assert_allclose(choice.option_probs, np.exp(scores - np.logaddexp(*scores)))
+    assert all(r.folded and r.prompt_logprobs and not r.calibrated for r in engine.requests)
+    assert [r.prompt_token_ids for r in engine.requests] == [(1, 2, 3, 40, 41), (1, 2, 3, 50)]
+
+
+def free_job(samples=0, **request):
+    return ScoringJob(PreparedPrompt("<q>", None), EngineRequest(request_id="r", prompt="<q>", max_tokens=8, **request),
+                      samples=samples)
+
+
+def test_token_scorer_is_the_geometric_mean_probability_with_raw_from_prompt_log_probs():
+    def answer(request):
+        if request.prompt_logprobs:  # the raw pass: the answer's tokens read as prompt, -0.5 each
+            return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
+        return [EngineDelta(text="Paris", token_ids=[5, 6], token_logprobs=[-0.1, -0.3],
+                            top_logprobs=[{5: -0.1, 9: -2.4}, {6: -0.3}], prompt_tokens=4, finish_reason="stop")]
+
+    tokenizer = _tiny_tokenizer()
+    engine = Scripted(answer, prompt_logprobs=True)
+    scoring = run(TokenScorer(engine, tokenizer), ScoringJob(free_job().prompt, free_job().request, with_raw=True))
+    (choice,) = scoring.choices
+    assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp(-0.2))
+    assert choice.raw_confidence == pytest.approx(math.exp(-0.5)) and choice.completion_tokens == 2
+    raw = engine.requests[-1]
+    assert raw.prompt_token_ids[-2:] == (5, 6) and not raw.calibrated and raw.max_tokens == 1
+    assert scoring.method is ConfidenceMethod.TOKEN and scoring.kind is AnswerKind.FREE_FORM
+    without = Scripted(answer)  # an engine without prompt log-probs: raw confidence stays unknown
+    assert run(TokenScorer(without, tokenizer), ScoringJob(free_job().prompt, free_job().request, with_raw=True)
+               ).choices[0].raw_confidence is None and len(without.requests) == 1
+
+
+def test_semantic_scorer_samples_in_one_call_and_reports_clusters():
+    texts = ["Paris", "It is Paris.", "London", "paris"]
+
+    def answer(request):
+        return [EngineDelta(text=texts[i % 4], token_ids=[7], token_logprobs=[-(i + 1) / 10], top_logprobs=[{7: -0.1}],
+                            prompt_tokens=3, index=i, finish_reason="stop") for i in range(request.n)]
+
+    engine = Scripted(answer)
+    scoring = run(SemanticScorer(engine), free_job(samples=4))
+    (choice,) = scoring.choices
+    assert engine.requests[0].n == 4 and engine.requests[0].temperature > 0
+    assert choice.confidence == 0.75 and choice.clusters == [("Paris", 3), ("London", 1)]
+    assert scoring.method is ConfidenceMethod.SEMANTIC
+
+
+def test_the_registry_chooses_by_answer_format_engine_and_method():
+    tokenizer = _tiny_tokenizer()
+    assert set(SCORERS) == set(ScoringPath)
+    mc, free = PreparedPrompt("q", ("A", "B")), PreparedPrompt("q", None)
+    letter = Scorers(Scripted(None), tokenizer, "letter")
+    assert letter.for_prompt(mc).path is ScoringPath.LETTER
+    assert letter.for_prompt(free).path is ScoringPath.TOKEN
+    assert letter.for_prompt(free, ConfidenceMethod.SEMANTIC).path is ScoringPath.SEMANTIC
+    assert Scorers(Scripted(None), tokenizer, "cloze").for_prompt(mc).path is ScoringPath.CLOZE_PER_TOKEN
+    assert Scorers(Scripted(None, folded_scoring=True), tokenizer, "cloze").for_prompt(mc).path is ScoringPath.CLOZE_ONE_PASS
+    assert Scorers(Scripted(None), tokenizer, "generative").for_prompt(mc).path is ScoringPath.LETTER
+    with pytest.raises(ValueError):
+        Scorers(Scripted(None), tokenizer, "guess")

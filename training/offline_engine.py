@@ -1,0 +1,115 @@
+"""An offline engine over a transformers model: what `calm eval --artifact`, the reports and the retraining gate score
+multiple-choice questions through, with the gateway's own scorers (calm_core/scorers/).
+
+It answers the requests the multiple-choice scorers make, in batches: one next-token position (the letter format,
+cloze per token), with the α head applied when the request is calibrated; and prompt log-probs (cloze in one pass),
+with the head applied at every position when the request asks for the `folded` weights — the same numbers vLLM
+returns for weights with the head folded into the LM head. The model is the served one (the artifact's adapter merged
+by the caller), so `adapter` is implied. Free-form generation is the vLLM engines' job: refused here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import torch
+
+from calm_core.alpha_head import AlphaHead
+from calm_core.engine import EngineDelta, EngineRejected, EngineRequest
+
+
+class OfflineEngine:
+    model_name = "offline"
+    folded_scoring = True  # the head is applied to prompt log-probs on request: one-pass cloze scoring
+    free_form_mode = False
+    prompt_logprobs = True
+
+    def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline",
+                 progress: Callable[[int], None] | None = None):
+        self.model, self.tokenizer, self.batch_size, self.progress = model, tokenizer, batch_size, progress
+        self.artifact_version = artifact_version
+        self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
+        vocab = model.get_output_embeddings().weight.shape[0]
+        head = head if head is not None else AlphaHead.identity(vocab)
+        head.check_vocab(vocab)
+        self.scale = torch.as_tensor(np.asarray(head.scale), dtype=torch.float32)
+        self.shift = torch.as_tensor(np.asarray(head.shift), dtype=torch.float32)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._pending: list[tuple[EngineRequest, tuple[int, ...], asyncio.Future]] = []
+        self._flushing = False
+
+    # -- EngineClient ---------------------------------------------------------------------------------------------------
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    def describe(self) -> dict:
+        return {"kind": "offline (transformers)", "batch_size": self.batch_size}
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        if request.max_tokens != 1 or request.n != 1 or request.free_form or request.temperature > 0:
+            raise EngineRejected("the offline engine scores one greedy next-token position per request")
+        ids = request.prompt_token_ids or tuple(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, tuple(int(t) for t in ids), future))
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        yield await future
+
+    # -- batching -------------------------------------------------------------------------------------------------------
+    async def _flush(self) -> None:
+        """Answer everything queued, in batches of similar length; requests queued meanwhile join the next round."""
+        try:
+            while self._pending:
+                pending, self._pending = sorted(self._pending, key=lambda p: len(p[1])), []
+                for start in range(0, len(pending), self.batch_size):
+                    batch = pending[start : start + self.batch_size]
+                    try:
+                        deltas = await asyncio.to_thread(self._answer, [(r, ids) for r, ids, _ in batch])
+                    except Exception as e:  # every waiting request learns why
+                        for _, _, future in batch:
+                            future.set_exception(e)
+                        continue
+                    for (_, _, future), delta in zip(batch, deltas):
+                        future.set_result(delta)
+        finally:
+            self._flushing = False
+
+    @torch.inference_mode()
+    def _answer(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:
+        longest = max(len(ids) for _, ids in batch)
+        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for row, (_, ids) in enumerate(batch):  # right padding: a real position never sees a pad token
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            mask[row, : len(ids)] = 1
+        logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
+        deltas = [self._delta(request, ids, logits[row, : len(ids)]) for row, (request, ids) in enumerate(batch)]
+        if self.progress is not None:
+            self.progress(len(batch))
+        return deltas
+
+    def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor) -> EngineDelta:
+        last = logits[-1].double()
+        if request.calibrated:
+            last = self.scale.double() * last + self.shift.double()
+        logp = torch.log_softmax(last, -1)
+        allowed = list(request.option_token_ids) if request.option_token_ids and request.restrict_to_options else None
+        token = int(max(allowed, key=lambda t: logp[t]) if allowed else torch.argmax(logp))
+        top = {int(t): float(logp[t]) for t in request.option_token_ids}
+        top[token] = float(logp[token])
+        prompt_lps = None
+        if request.prompt_logprobs:
+            body = self.scale * logits[:-1] + self.shift if request.folded else logits[:-1]
+            picked = torch.log_softmax(body, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+            prompt_lps = [math.nan] + [float(v) for v in picked]
+        return EngineDelta(text=self.tokenizer.decode([token]), token_ids=[token], token_logprobs=[top[token]],
+                           top_logprobs=[top], finish_reason="length", prompt_tokens=len(ids), prompt_logprobs=prompt_lps)
