@@ -1,10 +1,12 @@
 """An offline engine over a transformers model: what `calm eval --artifact`, the reports and the retraining gate score
 multiple-choice questions through, with the gateway's own scorers (calm_core/scorers/).
 
-It answers the requests the multiple-choice scorers make, in batches: one next-token position (the letter format,
-cloze per token), with the α head applied when the request is calibrated; and prompt log-probs (cloze in one pass),
-with the head applied at every position when the request asks for the `folded` weights — the same numbers vLLM
-returns for weights with the head folded into the LM head. The model is the served one (the artifact's adapter merged
+It answers the requests the multiple-choice scorers make: one next-token position (the letter format, cloze per
+token), in padded batches, with the α head applied when the request is calibrated; and prompt log-probs (cloze in one
+pass), with the head applied at every position when the request asks for the `folded` weights — the same numbers
+vLLM returns for weights with the head folded into the LM head. Prompt log-prob requests that share a prefix (the
+options of one question) run as one packed sequence: the prefix once, each continuation seeing the prefix and itself
+(training/cloze.py's packing), as a prefix cache would — the question is read once, not once per option. The model is the served one (the artifact's adapter merged
 by the caller), so `adapter` is implied. Free-form generation is the vLLM engines' job: refused here.
 """
 
@@ -19,6 +21,39 @@ import torch
 
 from calm_core.alpha_head import AlphaHead
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest
+from calm_core.prompts import ClozeTokens
+from training.cloze import PAD_SEGMENT, pack_question, packed_mask
+from training.top_layers import decoder, run_layers_masked
+
+Pending = tuple[EngineRequest, tuple[int, ...], asyncio.Future]
+
+
+def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def pad(rows: list[torch.Tensor], fill) -> torch.Tensor:
+    out = rows[0].new_full((len(rows), max(len(r) for r in rows)), fill)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def prefix_groups(pending: list[Pending]) -> list[list[Pending]]:
+    """Requests whose token ids share at least half of the shorter one's length, grouped (sorted by ids, so the
+    options of a question sit together)."""
+    groups: list[list[Pending]] = []
+    for item in sorted(pending, key=lambda p: p[1]):
+        if groups and 2 * shared_prefix(groups[-1][0][1], item[1]) >= min(len(groups[-1][0][1]), len(item[1])):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 class OfflineEngine:
@@ -38,7 +73,7 @@ class OfflineEngine:
         self.scale = torch.as_tensor(np.asarray(head.scale), dtype=torch.float32)
         self.shift = torch.as_tensor(np.asarray(head.shift), dtype=torch.float32)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self._pending: list[tuple[EngineRequest, tuple[int, ...], asyncio.Future]] = []
+        self._pending: list[Pending] = []
         self._flushing = False
 
     # -- EngineClient ---------------------------------------------------------------------------------------------------
@@ -66,14 +101,20 @@ class OfflineEngine:
 
     # -- batching -------------------------------------------------------------------------------------------------------
     async def _flush(self) -> None:
-        """Answer everything queued, in batches of similar length; requests queued meanwhile join the next round."""
+        """Answer everything queued: prompt log-probs packed per shared prefix, the rest in batches of similar length;
+        requests queued meanwhile join the next round."""
         try:
             while self._pending:
-                pending, self._pending = sorted(self._pending, key=lambda p: len(p[1])), []
-                for start in range(0, len(pending), self.batch_size):
-                    batch = pending[start : start + self.batch_size]
+                pending, self._pending = self._pending, []
+                packed = [p for p in pending if p[0].prompt_logprobs]
+                plain = sorted((p for p in pending if not p[0].prompt_logprobs), key=lambda p: len(p[1]))
+                groups = prefix_groups(packed)
+                work = [(self._answer_packed, [p for g in groups[i : i + self.batch_size] for p in g])
+                        for i in range(0, len(groups), self.batch_size)]
+                work += [(self._answer, plain[i : i + self.batch_size]) for i in range(0, len(plain), self.batch_size)]
+                for answer, batch in work:
                     try:
-                        deltas = await asyncio.to_thread(self._answer, [(r, ids) for r, ids, _ in batch])
+                        deltas = await asyncio.to_thread(answer, [(r, ids) for r, ids, _ in batch])
                     except Exception as e:  # every waiting request learns why
                         for _, _, future in batch:
                             future.set_exception(e)
@@ -82,6 +123,33 @@ class OfflineEngine:
                         future.set_result(delta)
         finally:
             self._flushing = False
+
+    @torch.inference_mode()
+    def _answer_packed(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:
+        """Groups of requests sharing a prefix (consecutive in `batch`), each packed into one row: the prefix once,
+        then every request's own continuation seeing the prefix and itself. A request's logits are the prefix rows
+        and its own rows, exactly what a forward over its ids alone computes."""
+        groups = [list(g) for g in prefix_groups([(r, ids, None) for r, ids in batch])]
+        layouts = []
+        for group in groups:
+            ids = [i for _, i, _ in group]
+            prefix = min(min(shared_prefix(ids[0], other) for other in ids), min(map(len, ids)) - 1)
+            layouts.append((prefix, pack_question(ClozeTokens(ids[0][:prefix], tuple(i[prefix:] for i in ids)))))
+        packed = [q for _, q in layouts]
+        stack, lm_head = decoder(self.model)
+        hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(pad([q.input_ids for q in packed], 0)),
+                                   packed_mask(pad([q.segment for q in packed], PAD_SEGMENT)),
+                                   pad([q.positions for q in packed], 0))
+        deltas = []
+        for row, (group, (prefix, _)) in enumerate(zip(groups, layouts)):
+            logits, start = lm_head(stack.norm(hidden[row])).float(), prefix
+            for request, own, _ in group:
+                rows = list(range(prefix)) + list(range(start, start + len(own) - prefix))
+                start += len(own) - prefix
+                deltas.append(self._delta(request, own, logits[rows]))
+        if self.progress is not None:
+            self.progress(len(batch))
+        return deltas
 
     @torch.inference_mode()
     def _answer(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:

@@ -168,7 +168,6 @@ def job_split(cfg: LoopConfig, train_split_path: str, domain: str, calibration_f
 # -- scoring and judging ---------------------------------------------------------------------------------------------
 def served_probabilities(artifact_dir: Path, model_path: str, *question_sets: list[MCQuestion]) -> list[np.ndarray]:
     """Each set's option probabilities under an artifact, scored as the gateway serves it; the model loads once."""
-
     tokenizer = load_tokenizer(model_path)
     artifact = load_artifact(artifact_dir)
     model = load_served_model(model_path, artifact.adapter_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.deployments import Deployment
@@ -25,16 +25,17 @@ router = APIRouter()
 ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
 
 
+# The answer routes read the state from the request itself: one dependency fewer to solve on the hot path.
 @router.post("/v1/chat/completions", responses=ANSWER_ERRORS)
-async def chat_completions(req: ChatCompletionRequest, x_calm_domain: str | None = Header(default=None),
-                           key: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)):
-    return await answer(gateway, "chat", req, x_calm_domain, key)
+async def chat_completions(req: ChatCompletionRequest, raw_request: Request,
+                           x_calm_domain: str | None = Header(default=None), key: ClientKey | None = Depends(client)):
+    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key)
 
 
 @router.post("/v1/completions", responses=ANSWER_ERRORS)
-async def completions(req: CompletionRequest, x_calm_domain: str | None = Header(default=None),
-                      key: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)):
-    return await answer(gateway, "completions", req, x_calm_domain, key)
+async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
+                      key: ClientKey | None = Depends(client)):
+    return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key)
 
 
 @router.get("/v1/models", responses=documented(401))
