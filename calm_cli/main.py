@@ -192,7 +192,8 @@ def eval_cmd(
         from adapters.inprocess import artifact_engine
         from training.free_form_eval import run_free_form_eval
 
-        summary = run_free_form_eval(artifact_engine, specs, str(artifact) if artifact else None, model, limit or None, seed, samples, out)
+        summary = run_free_form_eval(artifact_engine, specs, str(artifact) if artifact else None, model, limit or None,
+                                     seed, samples, out)
         typer.echo((out / "report.md").read_text())
         return
     if gateway:
@@ -318,8 +319,8 @@ def report_cmd(
         from adapters.inprocess import artifact_engine
         from training.open_report import run_open_report
 
-        run_open_report(artifact_engine, base, seeds[:1] if quick else list(seeds), out, steps, 4 if quick else samples,
-                        limit=50 if quick else None)
+        run_open_report(artifact_engine, base, seeds[:1] if quick else list(seeds), out, steps,
+                        4 if quick else samples, limit=50 if quick else None)
         typer.echo((out / "report.md").read_text())
         typer.echo(f"wrote {out}/report.json, report.md, reliability-*.png")
         return

@@ -130,8 +130,10 @@ class CalibratedService:
     def _context(self, req: SamplingFields, domain: str, prompt: PreparedPrompt, max_tokens: int, top: int,
                  view: WireView) -> RequestContext:
         request = self.planner.template(req, prompt, max_tokens, top)
-        policy = self.policy_for(domain, req.calm.threshold if req.calm else None)
-        method, samples = self._method(req, domain)
+        in_force, name = self.shared.policies.for_domain(domain)  # read once: the threshold and the method
+        policy = resolve(in_force, name, self.monitor.reference(domain), req.calm.threshold if req.calm else None,
+                         self.shared.guarantees.fit_for(domain))
+        method, samples = self._method(req, in_force)
         scorer = self.scorers.for_prompt(prompt, method)
         if method is ConfidenceMethod.SEMANTIC and not prompt.multiple_choice and req.n > 1:
             raise APIError(400, "semantic confidence answers one question with one choice drawn from its samples; "
@@ -140,11 +142,10 @@ class CalibratedService:
         return RequestContext(req, domain, prompt, scorer, job, policy, view,
                               f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}")
 
-    def _method(self, req: SamplingFields, domain: str) -> tuple[ConfidenceMethod, int]:
+    def _method(self, req: SamplingFields, policy: Policy | None) -> tuple[ConfidenceMethod, int]:
         """The free-form confidence method and its sample count: the request's, else the domain's policy's."""
-        policy, _ = self.shared.policies.for_domain(domain)
         asked = req.calm.confidence if req.calm and req.calm.confidence else None
-        method = ConfidenceMethod(asked or (policy.confidence if policy else "token"))
+        method = ConfidenceMethod(asked or (policy.confidence if policy else ConfidenceMethod.TOKEN))
         samples = (req.calm.samples if req.calm and req.calm.samples else None) or (
             policy.samples if policy else Policy.model_fields["samples"].default)
         return method, samples if method is ConfidenceMethod.SEMANTIC else 0
@@ -153,11 +154,6 @@ class CalibratedService:
         if req.calm is not None and req.calm.raw_confidence is not None:
             return req.calm.raw_confidence
         return self.settings.raw_confidence
-
-    def policy_for(self, domain: str, requested_threshold: float | None = None) -> ResolvedPolicy:
-        policy, name = self.shared.policies.for_domain(domain)
-        return resolve(policy, name, self.monitor.reference(domain), requested_threshold,
-                       self.shared.guarantees.fit_for(domain))
 
     # -- policy, record -----------------------------------------------------------------------------------------------
     def calibrate(self, scoring: Scoring, ctx: RequestContext) -> Served:

@@ -9,14 +9,10 @@ the served head was fitted: the letter format under the chat template, or, for c
 from __future__ import annotations
 
 from calm_core.prompts import (
-    LETTERS, AnswerFormatName, PreparedPrompt, cloze_prompt, cloze_tokens, detect_option_letters, letter_user_message,
+    LETTERS, AnswerFormatName, PreparedPrompt, detect_option_letters, letter_user_message, options_prompt,
     parse_options_question, render_chat,
 )
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
-
-
-def _cloze(tokenizer, question: str, choices) -> PreparedPrompt:
-    return PreparedPrompt(cloze_prompt(question), LETTERS[: len(choices)], cloze_tokens(tokenizer, question, choices))
 
 
 def _options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, ...]] | None:
@@ -27,7 +23,7 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFor
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     if answer_format == "cloze" and (found := _options_of(messages[last_user]["content"], req.options)):
-        return _cloze(tokenizer, *found)
+        return options_prompt(tokenizer, *found, "cloze")
     letters = None
     if req.options:
         # The request lists options: the last user message is the question, formatted like the training prompts.
@@ -41,7 +37,7 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFor
 def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
     if answer_format == "cloze" and (found := _options_of(prompt, req.options)):
-        return _cloze(tokenizer, *found)
+        return options_prompt(tokenizer, *found, "cloze")
     if req.options:
         return PreparedPrompt(letter_user_message(prompt, req.options) + "\nAnswer: ", LETTERS[: len(req.options)])
     return PreparedPrompt(prompt, detect_option_letters(prompt))

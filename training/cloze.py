@@ -71,7 +71,7 @@ def packed_mask(segment: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-def _pad(items: list[PackedQuestion], rows: list[torch.Tensor], fill) -> torch.Tensor:
+def pad_packed(items: list[PackedQuestion], rows: list[torch.Tensor], fill) -> torch.Tensor:
     length = max(len(q) for q in items)
     first = rows[0]
     out = first.new_full((len(items), length, *first.shape[1:]), fill)
@@ -87,9 +87,9 @@ def encode_packed(model, items: list[PackedQuestion], first_trained: int, batch_
     order = sorted(range(len(items)), key=lambda i: len(items[i]))
     for start in range(0, len(order), batch_size):
         batch = [items[i] for i in order[start : start + batch_size]]
-        ids = _pad(batch, [q.input_ids for q in batch], 0)
-        segment = _pad(batch, [q.segment for q in batch], PAD_SEGMENT)
-        positions = _pad(batch, [q.positions for q in batch], 0)
+        ids = pad_packed(batch, [q.input_ids for q in batch], 0)
+        segment = pad_packed(batch, [q.segment for q in batch], PAD_SEGMENT)
+        positions = pad_packed(batch, [q.positions for q in batch], 0)
         hidden = run_layers_masked(stack, stack.layers[:first_trained], stack.embed_tokens(ids), packed_mask(segment),
                                    positions)
         for row, q in enumerate(batch):
@@ -112,9 +112,9 @@ class TokenLogits:
 def token_logits(model, items: list[PackedQuestion], first_trained: int, width: int, device) -> TokenLogits:
     """Run the trained top layers over packed questions; logits only where option tokens are predicted."""
     stack, lm_head = decoder(model)
-    hidden = _pad(items, [q.hidden for q in items], 0.0).to(device)
-    segment = _pad(items, [q.segment for q in items], PAD_SEGMENT).to(device)
-    positions = _pad(items, [q.positions for q in items], 0).to(device)
+    hidden = pad_packed(items, [q.hidden for q in items], 0.0).to(device)
+    segment = pad_packed(items, [q.segment for q in items], PAD_SEGMENT).to(device)
+    positions = pad_packed(items, [q.positions for q in items], 0).to(device)
     hidden = run_layers_masked(stack, stack.layers[first_trained:], hidden, packed_mask(segment), positions)
     rows = torch.cat([torch.full_like(q.pred_pos, i) for i, q in enumerate(items)]).to(device)
     cols = torch.cat([q.pred_pos for q in items]).to(device)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from functools import partial
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ import torch
 from calm_core.alpha_head import AlphaHead
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest
 from calm_core.prompts import ClozeTokens
-from training.cloze import PAD_SEGMENT, pack_question, packed_mask
+from training.cloze import PAD_SEGMENT, pack_question, packed_mask, pad_packed
 from training.top_layers import decoder, run_layers_masked
 
 Pending = tuple[EngineRequest, tuple[int, ...], asyncio.Future]
@@ -35,13 +36,6 @@ def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
             break
         n += 1
     return n
-
-
-def pad(rows: list[torch.Tensor], fill) -> torch.Tensor:
-    out = rows[0].new_full((len(rows), max(len(r) for r in rows)), fill)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
 
 
 def prefix_groups(pending: list[Pending]) -> list[list[Pending]]:
@@ -62,9 +56,8 @@ class OfflineEngine:
     free_form_mode = False
     prompt_logprobs = True
 
-    def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline",
-                 progress: Callable[[int], None] | None = None):
-        self.model, self.tokenizer, self.batch_size, self.progress = model, tokenizer, batch_size, progress
+    def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline"):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.artifact_version = artifact_version
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -106,15 +99,16 @@ class OfflineEngine:
         try:
             while self._pending:
                 pending, self._pending = self._pending, []
-                packed = [p for p in pending if p[0].prompt_logprobs]
+                groups = prefix_groups([p for p in pending if p[0].prompt_logprobs])
                 plain = sorted((p for p in pending if not p[0].prompt_logprobs), key=lambda p: len(p[1]))
-                groups = prefix_groups(packed)
-                work = [(self._answer_packed, [p for g in groups[i : i + self.batch_size] for p in g])
-                        for i in range(0, len(groups), self.batch_size)]
-                work += [(self._answer, plain[i : i + self.batch_size]) for i in range(0, len(plain), self.batch_size)]
+                work = [(partial(self._answer_packed, [[(r, ids) for r, ids, _ in g] for g in chunk]),
+                         [p for g in chunk for p in g])
+                        for chunk in (groups[i : i + self.batch_size] for i in range(0, len(groups), self.batch_size))]
+                work += [(partial(self._answer, [(r, ids) for r, ids, _ in batch]), batch)
+                         for batch in (plain[i : i + self.batch_size] for i in range(0, len(plain), self.batch_size))]
                 for answer, batch in work:
                     try:
-                        deltas = await asyncio.to_thread(answer, [(r, ids) for r, ids, _ in batch])
+                        deltas = await asyncio.to_thread(answer)
                     except Exception as e:  # every waiting request learns why
                         for _, _, future in batch:
                             future.set_exception(e)
@@ -125,30 +119,28 @@ class OfflineEngine:
             self._flushing = False
 
     @torch.inference_mode()
-    def _answer_packed(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:
-        """Groups of requests sharing a prefix (consecutive in `batch`), each packed into one row: the prefix once,
-        then every request's own continuation seeing the prefix and itself. A request's logits are the prefix rows
-        and its own rows, exactly what a forward over its ids alone computes."""
-        groups = [list(g) for g in prefix_groups([(r, ids, None) for r, ids in batch])]
+    def _answer_packed(self, groups: list[list[tuple[EngineRequest, tuple[int, ...]]]]) -> list[EngineDelta]:
+        """Groups of requests sharing a prefix, each packed into one row: the prefix once, then every request's own
+        continuation seeing the prefix and itself. A request's logits are the prefix rows and its own rows, exactly
+        what a forward over its ids alone computes. The deltas come in the groups' order."""
         layouts = []
         for group in groups:
-            ids = [i for _, i, _ in group]
+            ids = [i for _, i in group]
             prefix = min(min(shared_prefix(ids[0], other) for other in ids), min(map(len, ids)) - 1)
             layouts.append((prefix, pack_question(ClozeTokens(ids[0][:prefix], tuple(i[prefix:] for i in ids)))))
         packed = [q for _, q in layouts]
         stack, lm_head = decoder(self.model)
-        hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(pad([q.input_ids for q in packed], 0)),
-                                   packed_mask(pad([q.segment for q in packed], PAD_SEGMENT)),
-                                   pad([q.positions for q in packed], 0))
+        ids = pad_packed(packed, [q.input_ids for q in packed], 0)
+        segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT)
+        positions = pad_packed(packed, [q.positions for q in packed], 0)
+        hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(ids), packed_mask(segment), positions)
         deltas = []
         for row, (group, (prefix, _)) in enumerate(zip(groups, layouts)):
             logits, start = lm_head(stack.norm(hidden[row])).float(), prefix
-            for request, own, _ in group:
+            for request, own in group:
                 rows = list(range(prefix)) + list(range(start, start + len(own) - prefix))
                 start += len(own) - prefix
                 deltas.append(self._delta(request, own, logits[rows]))
-        if self.progress is not None:
-            self.progress(len(batch))
         return deltas
 
     @torch.inference_mode()
@@ -161,8 +153,6 @@ class OfflineEngine:
             mask[row, : len(ids)] = 1
         logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
         deltas = [self._delta(request, ids, logits[row, : len(ids)]) for row, (request, ids) in enumerate(batch)]
-        if self.progress is not None:
-            self.progress(len(batch))
         return deltas
 
     def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor) -> EngineDelta:

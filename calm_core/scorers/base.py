@@ -89,6 +89,6 @@ class Scorer(Protocol):
     async def score(self, job: ScoringJob) -> Scoring: ...
 
 
-def raw_request(request: EngineRequest, suffix: str = "-raw", **changes) -> EngineRequest:
+def raw_request(request: EngineRequest, **changes) -> EngineRequest:
     """The same request for the raw model's numbers: α head skipped, its own request id."""
-    return replace(request, request_id=request.request_id + suffix, calibrated=False, **changes)
+    return replace(request, request_id=request.request_id + "-raw", calibrated=False, **changes)
