@@ -124,6 +124,32 @@ def artifact_attach_free_form(
     typer.echo(f"{out}: {manifest.artifact_version} (free form: {manifest.free_form_version})")
 
 
+@artifact_app.command("fit-semantic")
+@one_line_errors
+def artifact_fit_semantic(
+    artifact: Annotated[Path, typer.Option(help="artifact whose free-form mode gets the map (before it is registered)")],
+    dataset: Annotated[str, typer.Option("--dataset", "-d", help="open-ended prompts of the domain, e.g. triviaqa:sample@0.5-0.7")],
+    limit: Annotated[int, typer.Option(help="questions (0 = all)")] = 200,
+    samples: Annotated[int, typer.Option(help="answers sampled per question")] = 8,
+    labels: Annotated[bool, typer.Option(help="fit to right/wrong (alias match) instead of the mode's token confidence")] = False,
+    answers: Annotated[Optional[Path], typer.Option(help="refit from an earlier fit's answers.jsonl (same questions)")] = None,
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("reports/semantic-fit"),
+):
+    """Fit the free-form mode's semantic-confidence map (agreement share -> probability), label-free by default, and
+    write it into the mode's manifest (as metrics and reference histograms are written after export)."""
+    from adapters.inprocess import artifact_engine
+    from training.evaluate import DatasetSpec
+    from training.semantic_fit import SemanticFitConfig, run_semantic_fit
+
+    s = run_semantic_fit(artifact_engine, SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
+                                                            samples, use_labels=labels, out_dir=str(out),
+                                                            answers=str(answers) if answers else None))
+    c = s["calibration"]
+    typer.echo(f"{s['artifact']}: confidence = sigmoid({c['slope']:.3f} * logit(share) + {c['intercept']:.3f}) "
+               f"on {c['fitted_on']}; mean share {s['mean_share']:.3f}, mean target {s['mean_target']:.3f}, "
+               f"mean semantic confidence {s['mean_semantic_confidence']:.3f}; wrote {out}/fit.json")
+
+
 @artifact_app.command("show")
 @one_line_errors
 def artifact_show(path: Path):

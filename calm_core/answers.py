@@ -10,9 +10,10 @@ match would call most right answers wrong; the price is that an answer listing s
 the question already contains must occur in the answer more often than in the question (an echo of the question is
 not an answer).
 
-Two sampled answers mean the same when one's normalised words appear as a run inside the other's ("Paris" and
-"It is Paris"): clusters are built greedily, shortest answers first, each answer joining the first cluster whose
-representative it contains or is contained in.
+Two answers to the same prompt say the same as far as their *new* words agree (`agreement`: the F1 of the normalised
+words of each answer's start that are neither filler nor already in the prompt). A model that answers in sentences
+repeats the question ("The director of X was ..."), and whole-text matching would call two answers naming different
+people the same, or the same person in two sentences different.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 import string
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,65 +67,56 @@ def is_correct(answer: str, aliases: Sequence[str], question: str | None = None)
     return False
 
 
+AGREEMENT_WORDS = 24  # an answer's first words: the entity comes early or not at all, and samples stop at other points
+_FILLER = {"is", "was", "are", "were", "be", "been", "of", "in", "on", "at", "to", "by", "for", "and", "or", "as", "it",
+           "its", "this", "that", "which", "who", "what", "his", "her", "their", "he", "she", "they", "i"}
+
+
+def new_words(text: str, context: str = "") -> list[str]:
+    """The normalised words of an answer's start that carry information: not filler, not already in the context (the
+    prompt). "The capital of France is Paris." to "What is the capital of France?" is just ["paris"]."""
+    known = set(normalize_answer(context).split())
+    words = normalize_answer(text).split()[:AGREEMENT_WORDS]
+    return [w for w in words if w not in _FILLER and w not in known]
+
+
+def agreement(a: str, b: str, context: str = "") -> float:
+    """How much two answers to the same prompt say the same: the F1 of their new words (SQuAD's word overlap, with
+    what the prompt already said removed, so echoing the question is not agreeing). 1.0: the same information; 0.0:
+    nothing in common, or one says nothing new."""
+    wa, wb = Counter(new_words(a, context)), Counter(new_words(b, context))
+    common = sum((wa & wb).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / sum(wb.values()), common / sum(wa.values())
+    return 2 * precision * recall / (precision + recall)
+
+
 @dataclass(frozen=True)
 class Cluster:
     members: tuple[int, ...]  # indices of the answers in it
-    representative: str  # normalised text of its shortest answer
+    representative: int  # index of the answer the others were compared with (its first member)
 
     @property
     def size(self) -> int:
         return len(self.members)
 
 
-def semantic_clusters(answers: Sequence[str]) -> list[Cluster]:
-    """Meaning-equivalent groups of answers, largest first (ties: the one whose first member came first)."""
-    norms = [normalize_answer(a) for a in answers]
-    order = sorted(range(len(answers)), key=lambda i: (len(norms[i].split()), i))
-    groups: list[tuple[str, list[int]]] = []
-    for i in order:
-        for rep, members in groups:
-            if norms[i] == rep or _contains(norms[i], rep) or _contains(rep, norms[i]):
+def semantic_clusters(answers: Sequence[str], context: str = "", threshold: float = 0.5) -> list[Cluster]:
+    """Groups of answers that say the same (agreement ≥ threshold with the group's first answer), largest first (ties:
+    the group whose first member came first)."""
+    groups: list[list[int]] = []
+    for i, text in enumerate(answers):
+        for members in groups:
+            if agreement(answers[members[0]], text, context) >= threshold:
                 members.append(i)
                 break
         else:
-            groups.append((norms[i], [i]))
-    clusters = [Cluster(tuple(sorted(m)), rep) for rep, m in groups]
+            groups.append([i])
+    clusters = [Cluster(tuple(m), m[0]) for m in groups]
     return sorted(clusters, key=lambda c: (-c.size, c.members[0]))
 
 
-def in_cluster(answer: str, cluster: Cluster) -> bool:
-    norm = normalize_answer(answer)
-    return norm == cluster.representative or _contains(norm, cluster.representative) or _contains(
-        cluster.representative, norm)
-
-
-@dataclass(frozen=True)
-class SemanticChoice:
-    """The answer semantic confidence returns: the largest cluster's most probable member, with the cluster's share."""
-
-    clusters: list[Cluster]
-    best: list[int]  # per cluster, the index of its most probable member
-    n: int
-
-    @property
-    def answer(self) -> int:
-        return self.best[0]
-
-    @property
-    def confidence(self) -> float:
-        return self.clusters[0].size / self.n
-
-    @property
-    def entropy(self) -> float:
-        shares = [c.size / self.n for c in self.clusters]
-        return float(-sum(p * math.log(p) for p in shares))
-
-
-def semantic_choice(answers: Sequence[str], probabilities: Sequence[float]) -> SemanticChoice:
-    """Cluster n sampled answers by meaning; each cluster's representative answer is its most probable member
-    (`probabilities`: each answer's own, e.g. its length-normalised sequence probability)."""
-    if not answers:
-        raise ValueError("semantic confidence needs at least one sampled answer")
-    clusters = semantic_clusters(answers)
-    best = [max(c.members, key=lambda i: probabilities[i]) for c in clusters]
-    return SemanticChoice(clusters, best, len(answers))
+def cluster_entropy(clusters: Sequence[Cluster]) -> float:
+    n = sum(c.size for c in clusters)
+    return float(-sum(c.size / n * math.log(c.size / n) for c in clusters)) if n else 0.0

@@ -27,6 +27,7 @@ from calm_core.atomic import atomic_dir
 from calm_core.errors import ArtifactError
 from calm_core.hashing import sha256_file
 from calm_core.prompts import AnswerFormatName
+from calm_core.semantic import SemanticCalibration
 
 FORMAT_VERSION = 1
 HEAD_FILE = "alpha_head.safetensors"
@@ -82,6 +83,9 @@ class ArtifactManifest(BaseModel):
     has_adapter: bool = False
     # The free-form artifact inside FREE_FORM_DIR (its version), when this one serves both kinds of answer.
     free_form_version: str | None = None
+    # Free-form answers' semantic confidence: how samples are drawn and the map from agreement to probability (fitted
+    # by `calm semantic fit`; absent: the unfitted defaults).
+    semantic: SemanticCalibration | None = None
 
 
 def new_version_id(method: str) -> str:

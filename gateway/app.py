@@ -45,7 +45,7 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
     shared = SharedParts.build(settings, tokenizer, store, monitor, capture_book)
 
     def make_service(version_engine: EngineClient, loaded: LoadedArtifact) -> CalibratedService:
-        return CalibratedService(version_engine, ServedArtifact.of(loaded.manifest), shared)
+        return CalibratedService(version_engine, ServedArtifact.of(loaded), shared)
 
     default = Deployment(artifact.manifest.artifact_version, make_service(engine, artifact), artifact)
     deployments = Deployments(default, artifacts, make_service, monitor, load_version, settings.drain_s,

@@ -88,7 +88,7 @@ class CalibratedService:
         self.engine, self.artifact, self.shared = engine, artifact, shared
         self.settings, self.tokenizer, self.monitor = shared.settings, shared.tokenizer, shared.monitor
         self.planner = RequestPlanner(shared.settings, engine, shared.tokenizer, artifact)
-        self.scorers = Scorers(engine, shared.tokenizer, artifact.answer_format)
+        self.scorers = Scorers(engine, shared.tokenizer, artifact.answer_format, artifact.semantic)
 
     def scoring_paths(self) -> dict[str, str]:
         """How each kind of answer is scored, for /health."""
@@ -135,9 +135,6 @@ class CalibratedService:
                          self.shared.guarantees.fit_for(domain))
         method, samples = self._method(req, in_force)
         scorer = self.scorers.for_prompt(prompt, method)
-        if method is ConfidenceMethod.SEMANTIC and not prompt.multiple_choice and req.n > 1:
-            raise APIError(400, "semantic confidence answers one question with one choice drawn from its samples; "
-                           "n must be 1", param="n")
         job = ScoringJob(prompt, request, self._wants_raw(req), samples)
         return RequestContext(req, domain, prompt, scorer, job, policy, view,
                               f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}")

@@ -106,3 +106,14 @@ class WireView:
         else:
             body["text"] = ""
         return body
+
+
+def calibration_headers(calibration: Calibration | None, domain: str, artifact_version: str) -> dict[str, str]:
+    """The calibration as response headers, for clients that cannot read extra body fields or sit behind a proxy that
+    rebuilds the body: the first choice's (n > 1: read the body for the others). A stream's headers leave before its
+    answer exists, so they carry the domain and version only."""
+    headers = {"X-Calm-Domain": domain, "X-Calm-Artifact-Version": artifact_version}
+    if calibration is not None:
+        headers["X-Calm-Confidence"] = repr(calibration.confidence)
+        headers["X-Calm-Abstained"] = "true" if calibration.abstained else "false"
+    return headers

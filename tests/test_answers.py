@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calm_core.answers import in_cluster, is_correct, normalize_answer, semantic_choice, semantic_clusters
+from calm_core.answers import (AGREEMENT_WORDS, agreement, cluster_entropy, is_correct, new_words, normalize_answer,
+                               semantic_clusters)
 
 
 @pytest.mark.parametrize("text, norm", [
@@ -37,33 +38,23 @@ def test_is_correct(answer, aliases, correct):
     assert is_correct(answer, aliases) is correct
 
 
+def test_agreement_reads_what_the_answers_add_to_the_prompt():
+    prompt = "Who was the director of How I Spent My Summer Vacation?"
+    # Both echo the question and name different people: whole-text overlap would call them close; they disagree.
+    assert agreement("The director of How I Spent My Summer Vacation was John Fisher.",
+                     "The director of How I Spent My Summer Vacation is Theo Jones.", prompt) == 0.0
+    assert agreement("The director was John Fisher.", "John Fisher directed it", prompt) == pytest.approx(0.8)
+    assert agreement("Paris", "It is Paris.", "What is the capital of France?") == 1.0
+    assert agreement("The capital of France is Paris.", "Paris", "What is the capital of France?") == 1.0
+    assert agreement("Twenty", "20", "") == 1.0  # normalised
+    assert agreement("It is.", "Paris", "") == 0.0  # an answer that says nothing new agrees with nothing
+    assert new_words("word " * 100, "") == ["word"] * AGREEMENT_WORDS  # only the start is read
+
+
 def test_semantic_clusters_group_answers_that_say_the_same():
     answers = ["Paris", "It is Paris.", "London", "paris", "The answer is London", "Rome"]
-    clusters = semantic_clusters(answers)
+    clusters = semantic_clusters(answers, "Which city?")
     assert [c.members for c in clusters] == [(0, 1, 3), (2, 4), (5,)]
-    assert [c.size for c in clusters] == [3, 2, 1] and clusters[0].representative == "paris"
-    assert in_cluster("Definitely Paris", clusters[0]) and not in_cluster("Rome", clusters[0])
-    assert semantic_clusters([]) == []
-
-
-def test_semantic_choice_answers_the_largest_clusters_most_probable_member():
-    answers = ["Paris", "It is Paris.", "Lyon", "paris", "Marseille", "The answer is Paris"]
-    probs = [0.5, 0.9, 0.99, 0.4, 0.3, 0.2]
-    choice = semantic_choice(answers, probs)
-    assert [c.size for c in choice.clusters] == [4, 1, 1]
-    assert choice.answer == 1  # the most probable member of the Paris cluster, not the most probable answer overall
-    assert choice.confidence == pytest.approx(4 / 6)
-    assert choice.entropy == pytest.approx(-(4 / 6) * np.log(4 / 6) - 2 * (1 / 6) * np.log(1 / 6))
-    assert semantic_choice(["x"], [0.1]).confidence == 1.0
-    with pytest.raises(ValueError):
-        semantic_choice([], [])
-
-
-@pytest.mark.parametrize("answer, aliases, question, correct", [
-    ("The capital of Muyinga Province is Kuala Lumpur.", ["Muyinga"], "What is the capital of Muyinga Province?", False),
-    ("The capital of Muyinga Province is Muyinga.", ["Muyinga"], "What is the capital of Muyinga Province?", True),
-    ("The capital of Utah is Salt Lake City.", ["Salt Lake City"], "What is the capital of Utah?", True),
-    ("Salt Lake City", ["Salt Lake City"], None, True),
-])
-def test_an_echo_of_the_question_is_not_an_answer(answer, aliases, question, correct):
-    assert is_correct(answer, aliases, question) is correct
+    assert [c.size for c in clusters] == [3, 2, 1] and clusters[0].representative == 0
+    assert cluster_entropy(clusters) == pytest.approx(-(3 / 6) * np.log(3 / 6) - (2 / 6) * np.log(2 / 6) - (1 / 6) * np.log(1 / 6))
+    assert semantic_clusters([]) == [] and cluster_entropy([]) == 0.0

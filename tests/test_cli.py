@@ -104,9 +104,10 @@ def test_free_form_eval_of_the_shipped_mode_writes_a_report(tmp_path, embedded_m
     report = json.loads((out / "report.json").read_text())
     assert report["artifact"] == shipped_artifact.manifest.free_form_version
     m = report["results"]["popqa:test@0-0.006"]
-    assert m["n"] == 6 and 0 < m["mean_confidence"] < 1 and 0 <= m["sem_accuracy"] <= 1
+    assert m["n"] == 6 and 0 < m["mean_confidence"] < 1 and 0 < m["sem_mean_confidence"] < 1
+    assert m["sem_same_answer"] == 1.0 and m["sem_accuracy"] == m["accuracy"]  # semantic keeps the greedy answer
     answers = [json.loads(l) for l in (out / "answers_popqa_test_0-0.006.jsonl").read_text().splitlines()]
-    assert all(sum(a["cluster_sizes"]) == 3 for a in answers)
+    assert all(sum(a["cluster_sizes"]) == 3 and 0 <= a["semantic_agreeing"] <= 3 for a in answers)
     assert_one_line_error(run_calm("eval", "-d", "popqa:test@0.5", "--out", str(tmp_path / "x")), "name:split@0.7-0.8")
     assert_one_line_error(run_calm("eval", "-d", "popqa:test", "-d", "arc_easy", "--out", str(tmp_path / "x")),
                           "evaluated alone")

@@ -136,14 +136,23 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
     assert moved >= 3  # the free-form head changes the confidence inside the engine
 
 
-def test_semantic_confidence_returns_cluster_sizes(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                       max_tokens=24, extra_body={"calm": {"confidence": "semantic", "samples": 8}})
-    cal = calibration(r.choices[0])
-    sizes = [c["size"] for c in cal["clusters"]]
-    assert cal["method"] == "semantic" and sum(sizes) == 8 and sizes == sorted(sizes, reverse=True)
-    assert cal["confidence"] == pytest.approx(sizes[0] / 8)
-    assert r.choices[0].message.content == cal["clusters"][0]["answer"]
+def test_semantic_confidence_keeps_the_greedy_answer_and_maps_the_share_of_agreeing_samples(client, shipped_artifact):
+    """Semantic mode answers exactly what token mode answers (Hamlet, the capitals and the other plain prompts); its
+    confidence is the shipped free-form mode's fitted map of the share of raw samples that agree (raw_confidence)."""
+    semantic = shipped_artifact.free_form.manifest.semantic
+    assert semantic is not None and semantic.fitted_on.startswith("labels (alias match), 200 questions of triviaqa")
+    for question in ["Who wrote Hamlet?", *PLAIN]:
+        ask = lambda **calm: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0,
+            extra_body={"calm": calm}).choices[0]
+        token, sem = ask(), ask(confidence="semantic", samples=8, raw_confidence=True)
+        cal = calibration(sem)
+        assert sem.message.content == token.message.content, question
+        assert cal["method"] == "semantic" and sum(c["size"] for c in cal["clusters"]) == 8
+        agreeing = round(cal["raw_confidence"] * 8)
+        assert cal["confidence"] == pytest.approx(semantic.confidence(agreeing, 8), abs=1e-9)
+        if question in PLAIN:
+            assert PLAIN[question].lower() in sem.message.content.lower()
 
 
 def test_sampled_answers_follow_the_seed(client):

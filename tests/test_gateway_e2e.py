@@ -118,16 +118,17 @@ def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
     assert 0 < cal["confidence"] <= 1 and cal["entropy"] >= 0
 
 
-def test_semantic_confidence_samples_in_one_call_and_returns_cluster_sizes(client):
-    r = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, seed=0,
-        extra_body={"calm": {"confidence": "semantic", "samples": 8, "raw_confidence": False}})
+def test_semantic_confidence_answers_as_token_mode_and_samples_in_one_call(client):
+    ask = lambda **calm: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12,
+        temperature=0, extra_body={"calm": calm})
+    token, r = ask(), ask(confidence="semantic", samples=8, raw_confidence=True)
     cal = calibration(r.choices[0])
     sizes = [c["size"] for c in cal["clusters"]]
     assert cal["method"] == "semantic" and sum(sizes) == 8 and sizes == sorted(sizes, reverse=True)
-    assert cal["confidence"] == pytest.approx(sizes[0] / 8)
-    assert r.choices[0].message.content == cal["clusters"][0]["answer"]
-    assert r.usage.completion_tokens > 12  # eight sampled answers were generated
+    assert r.choices[0].message.content == token.choices[0].message.content  # the answer is never a sample
+    assert 0 <= cal["raw_confidence"] * 8 == round(cal["raw_confidence"] * 8) <= 8 and 0 < cal["confidence"] < 1
+    assert r.usage.completion_tokens > token.usage.completion_tokens  # eight sampled answers were generated too
 
 
 def test_completions_endpoint(client):

@@ -9,6 +9,7 @@ import pytest
 
 from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_question
 from calm_core.scoring import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
+from calm_core.semantic import SAMPLE_TEMPERATURE
 from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
 from gateway.policies import Action, Policy, resolve, threshold_for_risk
 
@@ -416,7 +417,7 @@ class SamplingEngine(FailingEngine):
                               top_logprobs=[{7: lp}], finish_reason="stop", prompt_tokens=3, index=i)
 
 
-def test_semantic_confidence_is_the_largest_clusters_share(tmp_path):
+def test_semantic_confidence_keeps_the_token_answer_and_is_the_share_of_raw_samples_that_agree(tmp_path):
     from fastapi.testclient import TestClient
 
     from calm_core.artifact import ArtifactManifest, LoadedArtifact
@@ -431,24 +432,56 @@ def test_semantic_confidence_is_the_largest_clusters_share(tmp_path):
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
     with TestClient(app) as client:
-        r = client.post("/v1/chat/completions", json={**body, "calm": {"confidence": "semantic", "samples": 6}}).json()
+        token = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        r = client.post("/v1/chat/completions", json={**body, "calm": {"confidence": "semantic", "samples": 6,
+                                                                       "raw_confidence": True}}).json()
         choice = r["choices"][0]
         cal = choice["calibration"]
-        assert cal["method"] == "semantic" and cal["confidence"] == 0.5 and cal["raw_confidence"] == 0.5
+        assert choice["message"]["content"] == token["message"]["content"] == "It is Paris."  # the answer is token's
+        # 3 of the 6 raw samples say Paris; unfitted map: the smoothed share (3 + 0.5) / (6 + 1)
+        assert cal["method"] == "semantic" and cal["raw_confidence"] == 0.5 and cal["confidence"] == 0.5
         assert [(c["answer"], c["size"]) for c in cal["clusters"]] == [("It is Paris.", 3), ("London", 2), ("Rome", 1)]
-        assert choice["message"]["content"] == "It is Paris."  # the largest cluster's most probable member
-        assert r["usage"]["completion_tokens"] == 6  # every sample was generated
-        sampled = [q for q in engine.requests if q.calibrated]
-        assert sampled[-1].n == 6 and sampled[-1].temperature == 1.0  # sampled, not greedy
-        assert any(not q.calibrated for q in engine.requests)  # the raw share: the same sampling without the head
-        token = client.post("/v1/chat/completions", json=body).json()["choices"][0]["calibration"]
-        assert token["method"] == "token" and token["clusters"] is None
-        assert client.post("/v1/chat/completions", json={**body, "n": 2, "calm": {"confidence": "semantic"}}).status_code == 400
+        assert r["usage"]["completion_tokens"] == 1 + 6  # the answer and every sample were generated
+        answer, sampled = engine.requests[-2:]
+        assert answer.n == 1 and answer.calibrated  # generated as in token mode
+        assert sampled.n == 6 and not sampled.calibrated and sampled.temperature == SAMPLE_TEMPERATURE
+        assert token["calibration"]["method"] == "token" and token["calibration"]["clusters"] is None
+        two = client.post("/v1/chat/completions", json={**body, "n": 2, "temperature": 1.0,
+                                                        "calm": {"confidence": "semantic"}})
+        assert two.status_code == 200 and [c["calibration"]["method"] for c in two.json()["choices"]] == ["semantic"] * 2
         admin = {"Authorization": "Bearer dev-admin-key"}
         assert client.put("/admin/policies/default", json={"threshold": 0.0, "confidence": "semantic", "samples": 4},
                           headers=admin).status_code == 200
         by_policy = client.post("/v1/chat/completions", json={**body, "stream": True}).text
         assert '"method": "semantic"' in by_policy and '{"answer": "London", "size": 1}' in by_policy  # 4 samples, buffered
+
+
+def test_calibration_travels_in_headers_for_clients_behind_proxies(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), SamplingEngine(),
+                     _tiny_tokenizer(), artifact)
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}],
+            "metadata": {"domain": "science"}}
+    with TestClient(app) as client:
+        plain = client.post("/v1/chat/completions", json=body)
+        cal = plain.json()["choices"][0]["calibration"]
+        assert float(plain.headers["x-calm-confidence"]) == cal["confidence"] and plain.headers["x-calm-abstained"] == "false"
+        assert plain.headers["x-calm-domain"] == cal["domain"] and plain.headers["x-calm-artifact-version"] == "test-v1"
+        strict = client.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 4,
+                                                      "calm": {"threshold": 1.0}})
+        assert strict.headers["x-calm-abstained"] == str(strict.json()["choices"][0]["calibration"]["abstained"]).lower()
+        streamed = client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert "x-calm-confidence" not in streamed.headers  # sent before the answer exists: the body's last chunk has it
+        assert streamed.headers["x-calm-domain"] == cal["domain"] and streamed.headers["x-calm-artifact-version"] == "test-v1"
 
 
 def test_openapi_documents_error_statuses_and_405_names_allowed_methods(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from calm_core.scorers.base import AnswerKind, ConfidenceMethod, ScoringJob, Sco
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
 from calm_core.scorers.options import ClozeOnePassScorer, ClozePerTokenScorer, LetterScorer
 from calm_core.scorers.registry import SCORERS, Scorers
+from calm_core.semantic import SemanticCalibration
 from tests.test_gateway_logic import _tiny_tokenizer
 
 
@@ -137,19 +139,48 @@ def test_token_scorer_is_the_geometric_mean_probability_with_raw_from_prompt_log
                ).choices[0].raw_confidence is None and len(without.requests) == 1
 
 
-def test_semantic_scorer_samples_in_one_call_and_reports_clusters():
-    texts = ["Paris", "It is Paris.", "London", "paris"]
+def test_semantic_scorer_keeps_the_token_answer_and_measures_agreement_on_raw_samples():
+    samples = ["Paris", "It is Paris.", "London", "paris"]
 
     def answer(request):
-        return [EngineDelta(text=texts[i % 4], token_ids=[7], token_logprobs=[-(i + 1) / 10], top_logprobs=[{7: -0.1}],
+        if request.n == 1:  # the answer: as token confidence would generate it
+            return [EngineDelta(text="The capital is Paris.", token_ids=[7, 8], token_logprobs=[-0.1, -0.2],
+                                top_logprobs=[{7: -0.1}, {8: -0.2}], prompt_tokens=3, index=0, finish_reason="stop")]
+        return [EngineDelta(text=samples[i % 4], token_ids=[7], token_logprobs=[-0.5], top_logprobs=[{7: -0.5}],
                             prompt_tokens=3, index=i, finish_reason="stop") for i in range(request.n)]
 
     engine = Scripted(answer)
-    scoring = run(SemanticScorer(engine), free_job(samples=4))
+    calibration = SemanticCalibration(temperature=0.5, max_tokens=4, slope=2.0, intercept=-1.0)
+    job = free_job(samples=4)
+    scoring = run(SemanticScorer(engine, None, calibration), ScoringJob(job.prompt, job.request, with_raw=True,
+                                                                       samples=4))
+    answer_request, sampled = engine.requests
+    assert answer_request == job.request  # exactly the token scorer's request
+    assert sampled.n == 4 and sampled.temperature == 0.5 and not sampled.calibrated  # raw weights, moderate T
+    assert sampled.max_tokens == min(job.request.max_tokens, 4)
     (choice,) = scoring.choices
-    assert engine.requests[0].n == 4 and engine.requests[0].temperature > 0
-    assert choice.confidence == 0.75 and choice.clusters == [("Paris", 3), ("London", 1)]
+    assert choice.text == "The capital is Paris."  # never a sample
+    assert choice.raw_confidence == 0.75  # 3 of 4 samples say Paris
+    assert choice.confidence == pytest.approx(calibration.confidence(3, 4))
+    assert choice.clusters == [("Paris", 3), ("London", 1)] and choice.completion_tokens == 2 + 4
     assert scoring.method is ConfidenceMethod.SEMANTIC
+    # Without a raw request the raw share is not reported, and nothing else changes.
+    assert run(SemanticScorer(engine), free_job(samples=4)).choices[0].raw_confidence is None
+
+
+def test_semantic_scorer_scores_each_of_n_answers_against_the_same_samples():
+    def answer(request):
+        if request.calibrated:
+            return [EngineDelta(text=["Paris", "Lyon"][i], token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}],
+                                prompt_tokens=3, index=i, finish_reason="stop") for i in range(request.n)]
+        return [EngineDelta(text="Paris", token_ids=[7], token_logprobs=[-0.5], top_logprobs=[{7: -0.5}],
+                            prompt_tokens=3, index=i, finish_reason="stop") for i in range(request.n)]
+
+    job = free_job(samples=5)
+    job = ScoringJob(job.prompt, replace(job.request, n=2, temperature=1.0), with_raw=True, samples=5)
+    scoring = run(SemanticScorer(Scripted(answer)), job)
+    assert [(c.text, c.raw_confidence) for c in scoring.choices] == [("Paris", 1.0), ("Lyon", 0.0)]
+    assert scoring.choices[0].confidence > 0.9 > 0.1 > scoring.choices[1].confidence
 
 
 def test_the_registry_chooses_by_answer_format_engine_and_method():

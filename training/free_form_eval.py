@@ -5,8 +5,9 @@ under the chat template.
 
 Per question: the greedy answer (at most MAX_TOKENS tokens) and its token confidence (the token scorer: the geometric
 mean of the calibrated token probabilities, end-of-turn token included; and the total sequence probability),
-correctness by alias match (calm_core.answers.is_correct); and, where asked, the semantic scorer's answer and
-confidence from `samples` answers sampled in one request (at most SAMPLE_TOKENS tokens each).
+correctness by alias match (calm_core.answers.is_correct); and, where asked, the semantic scorer's answer (the same
+greedy answer: recorded, so that a report can show it is) and its confidence from `samples` answers sampled without the
+head in one request, mapped by the mode's semantic calibration (calm_core/semantic.py).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from calm_core.plots import reliability_diagram
 from calm_core.prompts import PreparedPrompt
 from calm_core.scorers.base import ScoringJob
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
+from calm_core.semantic import SemanticCalibration
 from training.artifacts import reference_histogram, write_identity_artifact
 from training.evaluate import sample_questions
 from training.generative import free_form_prompt
 from training.scoring import load_tokenizer
 
 MAX_TOKENS = 48  # the base model's answers are sentences; the entity comes early or not at all
-SAMPLE_TOKENS = 32  # sampled answers for semantic confidence: clusters form on the answer's start; rambling costs
 
 
 @dataclass
@@ -53,29 +54,32 @@ class FreeFormRecord:
     semantic_text: str | None = None
     semantic_correct: bool | None = None
     semantic_confidence: float | None = None
+    semantic_agreeing: int | None = None  # how many of the samples say what the answer says
     cluster_sizes: list[int] | None = None
 
 
 async def answer_questions(engine: EngineClient, tokenizer, questions: list[OpenQuestion], samples: int,
-                           max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = ()) -> list[FreeFormRecord]:
+                           max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = (),
+                           semantic_calibration: SemanticCalibration | None = None) -> list[FreeFormRecord]:
     """Greedy answers first (all questions at once: the engine batches them), then the sampled ones."""
-    token, semantic = TokenScorer(engine, tokenizer), SemanticScorer(engine, tokenizer)
+    token, semantic = TokenScorer(engine, tokenizer), SemanticScorer(engine, tokenizer, semantic_calibration)
 
     def job(i: int, q: OpenQuestion, **changes) -> ScoringJob:
         prompt = PreparedPrompt(free_form_prompt(tokenizer, q.question), None)
         request = EngineRequest(request_id=f"ff{i}", prompt=prompt.text, max_tokens=max_tokens)
-        return ScoringJob(prompt, replace(request, **changes), samples=samples)
+        return ScoringJob(prompt, replace(request, **changes), with_raw=True, samples=samples)
 
     async def greedy(i: int, q: OpenQuestion) -> FreeFormRecord:
-        c = (await token.score(job(i, q))).choices[0]
+        c = (await token.score(replace(job(i, q), with_raw=False))).choices[0]
         lps = c.output.token_logprobs
         return FreeFormRecord(q.id, serving_domain(q), c.text, is_correct(c.text, q.answers, q.question),
                               c.confidence, float(math.exp(sum(lps))), len(lps))
 
     async def sampled(i: int, q: OpenQuestion, record: FreeFormRecord) -> None:
         # No per-request seed: vLLM's CPU sampler cannot seed requests whose prefill is chunked; the engine seed holds.
-        c = (await semantic.score(job(i, q, max_tokens=min(max_tokens, SAMPLE_TOKENS), temperature=1.0))).choices[0]
+        c = (await semantic.score(job(i, q, request_id=f"sem{i}"))).choices[0]
         record.semantic_text, record.semantic_confidence = c.text, c.confidence
+        record.semantic_agreeing = round(c.raw_confidence * samples)
         record.semantic_correct = is_correct(c.text, q.answers, q.question)
         record.cluster_sizes = [size for _, size in c.clusters]
 
@@ -92,10 +96,11 @@ def evaluate_served(engines: EngineFactory, base_model: str | Path, artifact_dir
     """Records for the questions on an engine serving the artifact (its adapter merged into `base_model`) with its α
     head; the questions whose ids are in `greedy_only` get no sampled answers (no semantic confidence)."""
     tokenizer = load_tokenizer(str(base_model))
+    semantic = load_artifact(artifact_dir).manifest.semantic
 
     async def run() -> list[FreeFormRecord]:
         async with engines(str(base_model), str(artifact_dir)) as engine:
-            return await answer_questions(engine, tokenizer, questions, samples, max_tokens, greedy_only)
+            return await answer_questions(engine, tokenizer, questions, samples, max_tokens, greedy_only, semantic)
 
     return asyncio.run(run())
 
@@ -123,7 +128,9 @@ def free_form_metrics(records: list[FreeFormRecord], n_bins: int = 10) -> dict[s
     if records and all(r.semantic_confidence is not None for r in records):
         sconf = np.array([r.semantic_confidence for r in records])
         scorrect = np.array([r.semantic_correct for r in records], dtype=float)
-        out.update(sem_accuracy=float(scorrect.mean()), sem_mean_confidence=float(sconf.mean()),
+        same = np.mean([r.semantic_text == r.text for r in records])
+        out.update(sem_same_answer=float(same), sem_accuracy=float(scorrect.mean()),
+                   sem_mean_confidence=float(sconf.mean()),
                    sem_ece_10=binned_calibration_error(sconf, scorrect, n_bins),
                    sem_brier=float(np.mean((sconf - scorrect) ** 2)), sem_auroc=auroc(sconf, scorrect))
     return out
@@ -179,10 +186,12 @@ def run_free_form_eval(engines: EngineFactory, specs, artifact: str | None, mode
                "limit": limit, "seed": seed, "results": results}
     reliability_diagram(panels, out / "reliability.png", title=resolved.id + (f" + {version}" if version else ""))
     (out / "report.json").write_text(json.dumps(summary, indent=2))
-    cols = ("n", "accuracy", "mean_confidence", "ece_10", "brier", "auroc", "aurc", "sem_accuracy",
-            "sem_mean_confidence", "sem_ece_10", "mean_tokens")
+    cols = ("n", "accuracy", "mean_confidence", "ece_10", "brier", "auroc", "aurc", "sem_same_answer",
+            "sem_mean_confidence", "sem_ece_10", "sem_auroc", "mean_tokens")
     lines = [f"# Free-form evaluation: {resolved.id}" + (f" + free-form mode `{version}`" if version else " (no α head)"),
-             "", f"Greedy answers as served (token confidence), {samples} sampled answers for semantic confidence.", "",
+             "", f"Greedy answers as served (token confidence); semantic confidence of the same answers from {samples} "
+             "answers sampled without the head (sem_same_answer: the share of semantic answers equal to the greedy "
+             "one).", "",
              "| dataset | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for label, m in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{m[c]:.3f}" if c in m else "–" for c in cols) + " |")

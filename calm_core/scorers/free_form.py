@@ -1,4 +1,5 @@
-"""Free-form scorers: token confidence of the generated answer, and semantic confidence from sampled answers.
+"""Free-form scorers: token confidence of the generated answer, and semantic confidence of the same answer from how
+many sampled answers agree with it (calm_core/semantic.py says why the samples are drawn without the head).
 
 Token confidence is calm_core/scoring.py's `sequence_confidence` of the answer's calibrated token log-probs; its raw
 counterpart reads the same answer's prompt log-probs on the same weights (one prefill, taken before logits
@@ -8,13 +9,15 @@ processors), so it needs an engine that returns prompt log-probs.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import ClassVar
 
-from calm_core.answers import in_cluster, semantic_choice
+from calm_core.answers import agreement, cluster_entropy, semantic_clusters
 from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
 from calm_core.scorers.base import AnswerKind, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.scoring import sequence_confidence, topk_entropy
+from calm_core.semantic import SemanticCalibration
+
+AGREES = 0.5  # a sample says the same as an answer when half its new words do (word F1 of what the prompt did not say)
 
 
 class TokenScorer:
@@ -58,25 +61,33 @@ class TokenScorer:
 class SemanticScorer:
     path: ClassVar[ScoringPath] = ScoringPath.SEMANTIC
     kind: ClassVar[AnswerKind] = AnswerKind.FREE_FORM
-    description: ClassVar[str] = "semantic: answers sampled in one engine call, grouped by meaning"
+    description: ClassVar[str] = ("semantic: the token answer; its confidence from how many answers sampled without the "
+                                  "head say the same")
     streams: ClassVar[bool] = False
 
-    def __init__(self, engine: EngineClient, tokenizer=None):
+    def __init__(self, engine: EngineClient, tokenizer=None, calibration: SemanticCalibration | None = None):
         self.engine = engine
+        self.calibration = calibration or SemanticCalibration()
 
     async def score(self, job: ScoringJob) -> Scoring:
-        """n answers sampled in one engine call, grouped by meaning; the answer is the largest group's most probable
-        member and its confidence the group's share. Raw: the share of that group among samples without the head."""
-        sampled = replace(job.request, n=job.samples, temperature=job.request.temperature or 1.0)
-        runs = [generate_choices(self.engine, sampled)]
-        if job.with_raw:
-            runs.append(generate_choices(self.engine, raw_request(sampled)))
-        outs, *raw = await asyncio.gather(*runs)
-        choice = semantic_choice([o.text for o in outs], [sequence_confidence(o.token_logprobs) for o in outs])
-        top = choice.clusters[0]
-        raw_conf = (sum(in_cluster(o.text, top) for o in raw[0]) / len(raw[0])) if raw else None
-        clusters = [(outs[i].text, c.size) for i, c in zip(choice.best, choice.clusters)]
-        out = outs[choice.answer]
-        scored = ScoredChoice(out.text, out.finish_reason, choice.confidence, raw_conf, choice.entropy,
-                              sum(len(o.token_ids) for o in outs), clusters=clusters, output=out)
-        return Scoring(self.path, self.kind, [scored], outs[0].prompt_tokens)
+        """The answers are those token confidence would return for the same request (a confidence method never changes
+        an answer). Beside them, `job.samples` answers are drawn in one engine call from the same weights without the
+        α head, at the version's sampling temperature; each answer's confidence is the version's map of the share of
+        samples that agree with it (`calm_core/answers.agreement` ≥ 1/2), its raw confidence that share unmapped."""
+        cal = self.calibration
+        sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
+                              max_tokens=min(job.request.max_tokens, cal.max_tokens))
+        outs, samples = await asyncio.gather(generate_choices(self.engine, job.request),
+                                             generate_choices(self.engine, sampled))
+        texts, context = [s.text for s in samples], job.prompt.text
+        clusters = semantic_clusters(texts, context, AGREES)
+        listed = [(texts[c.representative], c.size) for c in clusters]
+        sampled_tokens = sum(len(s.token_ids) for s in samples)  # generated for this request: counted once, choice 0
+        choices = []
+        for i, out in enumerate(outs):
+            agreeing = sum(agreement(out.text, t, context) >= AGREES for t in texts)
+            choices.append(ScoredChoice(
+                out.text, out.finish_reason, cal.confidence(agreeing, len(texts)),
+                agreeing / len(texts) if job.with_raw else None, cluster_entropy(clusters),
+                len(out.token_ids) + (sampled_tokens if i == 0 else 0), clusters=listed, output=out))
+        return Scoring(self.path, self.kind, choices, outs[0].prompt_tokens)

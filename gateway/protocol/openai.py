@@ -34,7 +34,7 @@ class CalmOptions(BaseModel):
 
     threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
     domain: StrictStr | None = None
-    raw_confidence: StrictBool | None = None  # multiple choice: also score with the raw model (one more engine row)
+    raw_confidence: StrictBool | None = None  # also the raw model's number (semantic: the unmapped agreeing share)
     confidence: Literal["token", "semantic"] | None = None  # free form; default: the domain's policy, else token
     samples: StrictInt | None = Field(default=None, ge=2, le=MAX_SAMPLES)  # semantic: answers sampled per request
 
@@ -208,7 +208,7 @@ class OptionProbability(BaseModel):
 
 
 class ClusterOut(BaseModel):
-    answer: str  # the cluster's most probable member
+    answer: str  # the sample the others in the cluster were compared with (its first)
     size: int
 
 
@@ -225,7 +225,7 @@ class Calibration(BaseModel):
     options: list[OptionProbability] | None = None
     policy_state: str | None = None  # guaranteed-risk policies: "guaranteed (n labels)" or the fallback in force
     method: Literal["token", "semantic"] | None = None  # free form: which confidence estimator
-    clusters: list[ClusterOut] | None = None  # semantic: meaning-equivalent groups of the sampled answers, largest first
+    clusters: list[ClusterOut] | None = None  # semantic: the samples grouped by agreement, largest first
 
 
 class UsageInfo(BaseModel):

@@ -20,6 +20,7 @@ from gateway.limits import deadline
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from gateway.routers.deps import client, documented, state
 from gateway.state import GatewayState
+from gateway.wire import calibration_headers
 
 router = APIRouter()
 ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
@@ -71,9 +72,12 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
         raise
     gateway.metrics.requests.labels(endpoint, domain, "200").inc()
     if held:
-        return StreamingResponse(gateway.in_flight.hold_stream(stream), media_type="text/event-stream")
+        return StreamingResponse(gateway.in_flight.hold_stream(stream), media_type="text/event-stream",
+                                 headers=calibration_headers(None, domain, service.engine.artifact_version))
     gateway.metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
-    return Response(body.model_dump_json(), media_type="application/json")
+    first = body.choices[0].calibration
+    return Response(body.model_dump_json(), media_type="application/json",
+                    headers=calibration_headers(first, first.domain, first.artifact_version))
 
 
 def count_error(gateway: GatewayState, endpoint: str, domain: str, exc: BaseException) -> ErrorClass:
