@@ -76,8 +76,10 @@ path = "{test_file}"
     # The gate a candidate cannot pass: it would have to beat the active version's accuracy by a full point.
     strict_train = tmp / "strict-train.toml"
     strict_train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 2"))
+    # Its newest 40 captured prompts are enough to train and judge a candidate that must fail (all 220 cost ~40 s).
     (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
-                                     "accuracy_tolerance = -1.0").replace("configs/train/loop-smoke.toml", str(strict_train)))
+                                     "accuracy_tolerance = -1.0\nmax_prompts = 40").replace(
+                                     "configs/train/loop-smoke.toml", str(strict_train)))
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
     # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
