@@ -150,6 +150,29 @@ def artifact_fit_semantic(
                f"mean semantic confidence {s['mean_semantic_confidence']:.3f}; wrote {out}/fit.json")
 
 
+@artifact_app.command("recalibrate")
+@one_line_errors
+def artifact_recalibrate(
+    artifact: Annotated[Path, typer.Option(help="the version serving the domain now (its folder)")],
+    labels: Annotated[str, typer.Option(help="labelled multiple-choice questions of the domain: name[:split][@range] or .jsonl")],
+    domain: Annotated[str, typer.Option(help="the domain the new version is for (its reference histogram)")],
+    out: Annotated[Path, typer.Option(help="folder of the new version")],
+    limit: Annotated[int, typer.Option(help="questions (0 = all)")] = 0,
+    held_out: Annotated[float, typer.Option(help="share of the labels kept to check the fit")] = 1 / 3,
+    seed: Annotated[int, typer.Option(help="seed of the question sample and the split")] = 0,
+):
+    """Fit a temperature on the version's option scores to a domain's labels (seconds, no training) and, if it passes
+    its held-out check (ECE falls, AUROC does not), write it as a new version (register and promote it with `calm
+    artifacts`)."""
+    from training.evaluate import DatasetSpec
+    from training.recalibrate import RecalibrateConfig, run_recalibrate
+
+    s = run_recalibrate(RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None,
+                                          held_out, seed))
+    typer.echo(f"{out}: {s['version']} (option temperature {s['option_temperature']:.3f}, parent {s['parent']}); "
+               f"{s['reason']}")
+
+
 @artifact_app.command("show")
 @one_line_errors
 def artifact_show(path: Path):

@@ -62,6 +62,16 @@ class ReferenceHistogram(BaseModel):
             raise ValueError("bin_edges must have one more entry than counts")
 
 
+class Recalibration(BaseModel):
+    """The lineage of a recalibrated version: its parent and the labelled map that made it (calm_core/recalibration.py)."""
+
+    parent: str
+    domain: str
+    temperature: float
+    fitted_on: str
+    held_out: dict[str, float]
+
+
 class ArtifactManifest(BaseModel):
     format_version: int = FORMAT_VERSION
     artifact_version: str
@@ -86,6 +96,10 @@ class ArtifactManifest(BaseModel):
     # Free-form answers' semantic confidence: how samples are drawn and the map from agreement to probability (fitted
     # by `calm semantic fit`; absent: the unfitted defaults).
     semantic: SemanticCalibration | None = None
+    # Multiple-choice option scores are divided by this before their softmax: 1 unless the version was recalibrated on
+    # a domain's labels (`recalibration` says from which parent, on what, and its held-out check).
+    option_temperature: float = Field(default=1.0, gt=0)
+    recalibration: Recalibration | None = None
 
 
 def new_version_id(method: str) -> str:
@@ -241,6 +255,23 @@ def attach_free_form(multiple_choice: str | Path, free_form: str | Path, out: st
             elif src.is_file():
                 shutil.copy2(src, tmp / name)
         shutil.copytree(ff.path, tmp / FREE_FORM_DIR, ignore=shutil.ignore_patterns(FREE_FORM_DIR))
+        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+    return manifest
+
+
+def derive_version(parent: str | Path, out: str | Path, method: str, **changes) -> ArtifactManifest:
+    """A new version with the parent's head, adapter and free-form mode and some manifest fields changed (a labelled
+    recalibration): a new version id, written atomically."""
+    src = load_artifact(parent)
+    manifest = ArtifactManifest.model_validate({**src.manifest.model_dump(), **changes,
+                                                "artifact_version": new_version_id(method),
+                                                "created_at": datetime.now(timezone.utc).isoformat()})
+    with atomic_dir(out) as tmp:
+        for name in (HEAD_FILE, ADAPTER_DIR, FREE_FORM_DIR):
+            if (src.path / name).is_dir():
+                shutil.copytree(src.path / name, tmp / name)
+            elif (src.path / name).is_file():
+                shutil.copy2(src.path / name, tmp / name)
         _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return manifest
 

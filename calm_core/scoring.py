@@ -61,9 +61,11 @@ def option_probs(option_logits: np.ndarray, n_options: np.ndarray | None = None)
     return np.where(mask, probs, 0.0)
 
 
-def option_distribution(logprobs: dict[int, float], option_token_ids: Sequence[int], chosen_token: int | None = None) -> OptionDistribution:
-    """Renormalise the options' log-probs; the chosen option is the sampled one, else the most probable."""
-    lp = [logprobs.get(t, -math.inf) for t in option_token_ids]
+def option_distribution(logprobs: dict[int, float], option_token_ids: Sequence[int], chosen_token: int | None = None,
+                        temperature: float = 1.0) -> OptionDistribution:
+    """Renormalise the options' log-probs (divided by a recalibrated version's temperature); the chosen option is the
+    sampled one, else the most probable."""
+    lp = np.array([logprobs.get(t, -math.inf) for t in option_token_ids], dtype=np.float64) / temperature
     ids = list(option_token_ids)
     return options_softmax(lp, ids.index(chosen_token) if chosen_token in ids else None)
 

@@ -88,7 +88,7 @@ class CalibratedService:
         self.engine, self.artifact, self.shared = engine, artifact, shared
         self.settings, self.tokenizer, self.monitor = shared.settings, shared.tokenizer, shared.monitor
         self.planner = RequestPlanner(shared.settings, engine, shared.tokenizer, artifact)
-        self.scorers = Scorers(engine, shared.tokenizer, artifact.answer_format, artifact.semantic)
+        self.scorers = Scorers(engine, shared.tokenizer, artifact.answer_format, artifact.post_hoc)
 
     def scoring_paths(self) -> dict[str, str]:
         """How each kind of answer is scored, for /health."""

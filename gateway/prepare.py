@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from calm_core.artifact import LoadedArtifact
 from calm_core.engine import EngineClient, EngineRequest
 from calm_core.prompts import AnswerFormatName, PreparedPrompt
-from calm_core.semantic import SemanticCalibration
+from calm_core.scorers.base import PostHoc
 from gateway.errors import APIError
 from gateway.protocol.openai import SamplingFields
 from gateway.settings import GatewaySettings
@@ -24,15 +24,16 @@ class ServedArtifact:
     multiple_choice_only: bool = False  # fitted to multiple choice: free-form answers need a free-form mode
     has_adapter: bool = False
     free_form_version: str | None = None  # the free-form mode inside the artifact (its own weights and head)
-    semantic: SemanticCalibration | None = None  # the free-form mode's semantic-confidence map (None: unfitted)
+    post_hoc: PostHoc = PostHoc()  # option temperature (recalibrated versions), the free-form mode's semantic map
 
     @classmethod
     def of(cls, artifact: LoadedArtifact) -> "ServedArtifact":
         manifest = artifact.manifest
         on_disk = "path" in artifact.__dict__  # unit tests build bare artifacts, with a manifest only
         free_form = artifact.free_form if on_disk else None
+        post_hoc = PostHoc(manifest.option_temperature, free_form.manifest.semantic if free_form is not None else None)
         return cls(manifest.answer_format, manifest.applies_to == "multiple_choice", manifest.has_adapter,
-                   manifest.free_form_version, free_form.manifest.semantic if free_form is not None else None)
+                   manifest.free_form_version, post_hoc)
 
 
 def prompt_token_bound(text: str) -> int:

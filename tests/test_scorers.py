@@ -12,7 +12,7 @@ import pytest
 
 from calm_core.engine import EngineDelta, EngineRequest
 from calm_core.prompts import LETTERS, ClozeTokens, PreparedPrompt, letter_token_ids
-from calm_core.scorers.base import AnswerKind, ConfidenceMethod, ScoringJob, ScoringPath
+from calm_core.scorers.base import AnswerKind, ConfidenceMethod, PostHoc, ScoringJob, ScoringPath
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
 from calm_core.scorers.options import ClozeOnePassScorer, ClozePerTokenScorer, LetterScorer
 from calm_core.scorers.registry import SCORERS, Scorers
@@ -113,6 +113,18 @@ def test_cloze_one_pass_scorer_reads_folded_prompt_log_probs_one_request_per_opt
     assert [r.prompt_token_ids for r in engine.requests] == [(1, 2, 3, 40, 41), (1, 2, 3, 50)]
 
 
+def test_a_recalibrated_versions_temperature_divides_the_option_scores_and_leaves_raw_and_the_answer_alone():
+    scores = np.array([-(3.40 + 4.41) / 2, -3.50])
+    for temperature in (0.5, 2.0):
+        job = ScoringJob(cloze_job().prompt, cloze_job().request, with_raw=True)
+        (choice,) = run(ClozePerTokenScorer(Scripted(per_token_answer), None, PostHoc(option_temperature=temperature)),
+                        job).choices
+        tempered = scores / temperature
+        np.testing.assert_allclose(choice.option_probs, np.exp(tempered - np.logaddexp(*tempered)))
+        assert choice.chosen == int(np.argmax(scores))  # the answer never changes
+        assert choice.raw_confidence == pytest.approx(np.exp(scores - np.logaddexp(*scores))[choice.chosen])
+
+
 def free_job(samples=0, **request):
     return ScoringJob(PreparedPrompt("<q>", None), EngineRequest(request_id="r", prompt="<q>", max_tokens=8, **request),
                       samples=samples)
@@ -152,7 +164,7 @@ def test_semantic_scorer_keeps_the_token_answer_and_measures_agreement_on_raw_sa
     engine = Scripted(answer)
     calibration = SemanticCalibration(temperature=0.5, max_tokens=4, slope=2.0, intercept=-1.0)
     job = free_job(samples=4)
-    scoring = run(SemanticScorer(engine, None, calibration), ScoringJob(job.prompt, job.request, with_raw=True,
+    scoring = run(SemanticScorer(engine, None, PostHoc(semantic=calibration)), ScoringJob(job.prompt, job.request, with_raw=True,
                                                                        samples=4))
     answer_request, sampled = engine.requests
     assert answer_request == job.request  # exactly the token scorer's request

@@ -19,6 +19,7 @@ from calm_core.artifact import LoadedArtifact, load_artifact
 from calm_core.data import MCQuestion
 from calm_core.hashing import vocab_sha256
 from calm_core.prompts import AnswerFormatName
+from calm_core.scorers.base import PostHoc
 from calm_core.scorers.questions import option_matrix, score_options
 from training.offline_engine import OfflineEngine
 from training.scoring import load_causal_lm, output_vocab_size
@@ -43,7 +44,9 @@ def load_served_model(model_path: str, adapter_dir: Path | None, dtype: str = "f
 
 def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormatName,
                          head: AlphaHead | None, batch_size: int = 8,
-                         progress: Callable[[int], None] | None = None) -> np.ndarray:
-    """(N, max options) each question's distribution over its options (padding columns 0), through the α head."""
+                         progress: Callable[[int], None] | None = None, option_temperature: float = 1.0) -> np.ndarray:
+    """(N, max options) each question's distribution over its options (padding columns 0), through the α head and a
+    recalibrated version's option temperature."""
     engine = OfflineEngine(model, tokenizer, head, batch_size)
-    return option_matrix(asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress)))
+    return option_matrix(asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress,
+                                                   post_hoc=PostHoc(option_temperature))))

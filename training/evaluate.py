@@ -109,14 +109,14 @@ def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
     sets = question_sets(cfg.datasets, cfg.limit, cfg.seed)
     resolved = resolve_model(cfg.model, cfg.dtype)
     tokenizer = load_tokenizer(resolved.path)
-    head, artifact_version, adapter, fmt = None, None, None, cfg.answer_format or "letter"
+    head, artifact_version, adapter, fmt, temperature = None, None, None, cfg.answer_format or "letter", 1.0
     if cfg.artifact:
         loaded = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
         if cfg.answer_format and cfg.answer_format != loaded.manifest.answer_format:
             raise ConfigError(f"artifact {loaded.manifest.artifact_version} is fitted on {loaded.manifest.answer_format} "
                               f"scoring; scoring it as {cfg.answer_format} would report a model nobody serves")
         head, artifact_version = loaded.head, loaded.manifest.artifact_version
-        adapter, fmt = loaded.adapter_dir, loaded.manifest.answer_format
+        adapter, fmt, temperature = loaded.adapter_dir, loaded.manifest.answer_format, loaded.manifest.option_temperature
     model = load_served_model(str(resolved.path), adapter, cfg.dtype)
     probs = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -124,7 +124,7 @@ def run_eval(cfg: EvalConfig, show_progress: bool = True) -> dict:
         for label, questions in sets.items():
             task = bar.add_task(label, total=len(questions))
             probs[label] = option_probabilities(model, tokenizer, questions, fmt, head, cfg.batch_size,
-                                                lambda n: bar.advance(task, n))
+                                                lambda n: bar.advance(task, n), temperature)
     source = {"model": resolved.id, "model_weights_sha256": model_weights_sha256(resolved), "artifact": artifact_version,
               "answer_format": fmt, "scored_by": "offline (HF transformers)"}
     return write_report(Path(cfg.out_dir), source, {**asdict(cfg), "datasets": [s.label for s in cfg.datasets]},

@@ -31,7 +31,7 @@ from calm_core.metrics import aurc, auroc, binned_calibration_error
 from calm_core.models import resolve_model
 from calm_core.plots import reliability_diagram
 from calm_core.prompts import PreparedPrompt
-from calm_core.scorers.base import ScoringJob
+from calm_core.scorers.base import PostHoc, ScoringJob
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
 from calm_core.semantic import SemanticCalibration
 from training.artifacts import reference_histogram, write_identity_artifact
@@ -62,7 +62,7 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
                            max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = (),
                            semantic_calibration: SemanticCalibration | None = None) -> list[FreeFormRecord]:
     """Greedy answers first (all questions at once: the engine batches them), then the sampled ones."""
-    token, semantic = TokenScorer(engine, tokenizer), SemanticScorer(engine, tokenizer, semantic_calibration)
+    token, semantic = TokenScorer(engine, tokenizer), SemanticScorer(engine, tokenizer, PostHoc(semantic=semantic_calibration))
 
     def job(i: int, q: OpenQuestion, **changes) -> ScoringJob:
         prompt = PreparedPrompt(free_form_prompt(tokenizer, q.question), None)

@@ -44,7 +44,8 @@ def run_policy_fit(cfg: PolicyFitConfig) -> dict:
     tokenizer = load_tokenizer(resolved.path)
     loaded = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
     model = load_served_model(str(resolved.path), loaded.adapter_dir)
-    probs = option_probabilities(model, tokenizer, questions, loaded.manifest.answer_format, loaded.head)
+    probs = option_probabilities(model, tokenizer, questions, loaded.manifest.answer_format, loaded.head,
+                                 option_temperature=loaded.manifest.option_temperature)
     labels = np.asarray([q.answer for q in questions])
     confidence, correct = probs.max(axis=1), probs.argmax(axis=1) == labels
     reference = reference_of(loaded.manifest, cfg.domain)

@@ -171,7 +171,9 @@ def served_probabilities(artifact_dir: Path, model_path: str, *question_sets: li
     tokenizer = load_tokenizer(model_path)
     artifact = load_artifact(artifact_dir)
     model = load_served_model(model_path, artifact.adapter_dir)
-    return [option_probabilities(model, tokenizer, qs, artifact.manifest.answer_format, artifact.head) if qs else
+    manifest = artifact.manifest
+    return [option_probabilities(model, tokenizer, qs, manifest.answer_format, artifact.head,
+                                 option_temperature=manifest.option_temperature) if qs else
             np.zeros((0, 0)) for qs in question_sets]
 
 

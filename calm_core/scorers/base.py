@@ -15,6 +15,7 @@ from typing import ClassVar, Protocol
 
 from calm_core.engine import EngineOutput, EngineRequest
 from calm_core.prompts import PreparedPrompt
+from calm_core.semantic import SemanticCalibration
 
 
 class AnswerKind(str, Enum):
@@ -37,6 +38,15 @@ class ScoringPath(str, Enum):
     CLOZE_ONE_PASS = "cloze_one_pass"
     TOKEN = "token"
     SEMANTIC = "semantic"
+
+
+@dataclass(frozen=True)
+class PostHoc:
+    """What a version applies to its numbers after the α head: a temperature on multiple-choice option scores
+    (labelled recalibration, calm_core/recalibration.py) and its free-form mode's semantic-confidence map."""
+
+    option_temperature: float = 1.0
+    semantic: SemanticCalibration | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from calm_core.answers import agreement, cluster_entropy, semantic_clusters
 from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
-from calm_core.scorers.base import AnswerKind, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
+from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.scoring import sequence_confidence, topk_entropy
 from calm_core.semantic import SemanticCalibration
 
@@ -26,7 +26,7 @@ class TokenScorer:
     description: ClassVar[str] = "token: the answer's calibrated token log-probs"
     streams: ClassVar[bool] = True
 
-    def __init__(self, engine: EngineClient, tokenizer):
+    def __init__(self, engine: EngineClient, tokenizer, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
         self.tokenizer = tokenizer
 
@@ -65,9 +65,9 @@ class SemanticScorer:
                                   "head say the same")
     streams: ClassVar[bool] = False
 
-    def __init__(self, engine: EngineClient, tokenizer=None, calibration: SemanticCalibration | None = None):
+    def __init__(self, engine: EngineClient, tokenizer=None, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
-        self.calibration = calibration or SemanticCalibration()
+        self.calibration = post_hoc.semantic or SemanticCalibration()
 
     async def score(self, job: ScoringJob) -> Scoring:
         """The answers are those token confidence would return for the same request (a confidence method never changes

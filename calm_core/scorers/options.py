@@ -19,7 +19,7 @@ import numpy as np
 
 from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
 from calm_core.prompts import LETTERS, ClozeTokens, letter_token_ids
-from calm_core.scorers.base import AnswerKind, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
+from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax
 
 
@@ -44,9 +44,10 @@ class LetterScorer:
     description: ClassVar[str] = "letter: one request per question, α head in the logits processor"
     streams: ClassVar[bool] = False
 
-    def __init__(self, engine: EngineClient, tokenizer):
+    def __init__(self, engine: EngineClient, tokenizer, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
         self.letter_ids = dict(zip(LETTERS, letter_token_ids(tokenizer)))
+        self.temperature = post_hoc.option_temperature
 
     def plan(self, job: ScoringJob) -> EngineRequest:
         ids = tuple(self.letter_ids[letter] for letter in job.prompt.option_letters)
@@ -60,8 +61,10 @@ class LetterScorer:
             runs.append(generate_choices(self.engine, raw_request(request, n=1)))
         outs, *raw = await asyncio.gather(*runs)
         raw_probs = option_distribution(first_logprobs(raw[0][0]), ids).probs if raw and raw[0][0].top_logprobs else None
-        dists = [option_distribution(first_logprobs(out), ids, out.token_ids[0] if out.token_ids else None)
-                 for out in outs]
+        # A recalibrated version's temperature applies to the reported distribution; a sampled letter was drawn in the
+        # engine from the head's (greedy answers, the default, are the same under any temperature).
+        dists = [option_distribution(first_logprobs(out), ids, out.token_ids[0] if out.token_ids else None,
+                                     self.temperature) for out in outs]
         letters = job.prompt.option_letters
         choices = [option_choice(d, raw_probs, letters, len(o.token_ids)) for d, o in zip(dists, outs)]
         return Scoring(self.path, self.kind, choices, outs[0].prompt_tokens)
@@ -78,8 +81,9 @@ class _ClozeScorer:
     streams: ClassVar[bool] = False
     path: ClassVar[ScoringPath]
 
-    def __init__(self, engine: EngineClient, tokenizer=None):
+    def __init__(self, engine: EngineClient, tokenizer=None, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
+        self.temperature = post_hoc.option_temperature
 
     async def option_scores(self, tokens: ClozeTokens, request: EngineRequest, calibrated: bool) -> np.ndarray:
         raise NotImplementedError
@@ -93,8 +97,9 @@ class _ClozeScorer:
         scores = await asyncio.gather(*runs)
         raw_probs = options_softmax(scores[1]).probs if job.with_raw else None
         letters = job.prompt.option_letters
-        choices = [option_choice(options_softmax(scores[0], chosen), raw_probs, letters, 0)
-                   for chosen in sample_options(scores[0], job.request)]
+        calibrated = scores[0] / self.temperature  # the version's post-hoc temperature (1 unless recalibrated)
+        choices = [option_choice(options_softmax(calibrated, chosen), raw_probs, letters, 0)
+                   for chosen in sample_options(calibrated, job.request)]
         return Scoring(self.path, self.kind, choices, len(tokens.prompt) + sum(map(len, tokens.options)))
 
 

@@ -12,14 +12,15 @@ import numpy as np
 from calm_core.data import MCQuestion
 from calm_core.engine import EngineClient, EngineRequest
 from calm_core.prompts import options_prompt
-from calm_core.scorers.base import ScoredChoice, ScoringJob
+from calm_core.scorers.base import PostHoc, ScoredChoice, ScoringJob
 from calm_core.scorers.registry import AnswerFormat, Scorers
 
 
 async def score_options(engine: EngineClient, tokenizer, questions: list[MCQuestion], answer_format: AnswerFormat | str,
-                        adapter: bool = True, progress: Callable[[int], None] | None = None) -> list[ScoredChoice]:
+                        adapter: bool = True, progress: Callable[[int], None] | None = None,
+                        post_hoc: PostHoc = PostHoc()) -> list[ScoredChoice]:
     """Each question's greedy calibrated choice (its options' distribution), in the questions' order."""
-    scorers = Scorers(engine, tokenizer, answer_format)
+    scorers = Scorers(engine, tokenizer, answer_format, post_hoc)
     fmt = scorers.answer_format.value
 
     async def one(i: int, q: MCQuestion) -> ScoredChoice:

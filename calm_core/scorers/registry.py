@@ -12,10 +12,9 @@ from enum import Enum
 
 from calm_core.engine import EngineClient
 from calm_core.prompts import PreparedPrompt
-from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoringPath
+from calm_core.scorers.base import ConfidenceMethod, PostHoc, Scorer, ScoringPath
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
 from calm_core.scorers.options import ClozeOnePassScorer, ClozePerTokenScorer, LetterScorer
-from calm_core.semantic import SemanticCalibration
 
 SCORERS: dict[ScoringPath, type] = {
     ScoringPath.LETTER: LetterScorer,
@@ -45,12 +44,10 @@ class Scorers:
     """The scorers of one engine, for one artifact's answer format."""
 
     def __init__(self, engine: EngineClient, tokenizer, answer_format: AnswerFormat | str,
-                 semantic: SemanticCalibration | None = None):
+                 post_hoc: PostHoc = PostHoc()):
         self.answer_format = AnswerFormat(answer_format)
         self.multiple_choice = multiple_choice_path(self.answer_format, getattr(engine, "folded_scoring", False))
-        self._built = {path: cls(engine, tokenizer) for path, cls in SCORERS.items()}
-        # The one scorer with a per-version setting: the free-form mode's map from agreement to probability.
-        self._built[ScoringPath.SEMANTIC] = SemanticScorer(engine, tokenizer, semantic)
+        self._built = {path: cls(engine, tokenizer, post_hoc) for path, cls in SCORERS.items()}
 
     def __getitem__(self, path: ScoringPath) -> Scorer:
         return self._built[path]

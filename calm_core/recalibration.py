@@ -1,0 +1,92 @@
+"""Labelled recalibration of multiple-choice answers: one temperature on a version's option scores, fitted on a
+domain's labels in seconds, and the held-out check that decides whether it may serve (pure functions).
+
+Why a temperature on the option scores, rather than Platt or isotonic on the chosen option's confidence:
+- it divides every option's score by one number, so the most probable option, hence the answer and the accuracy,
+  never changes, and the options still sum to one (the `options` field and sampled answers stay coherent);
+- it corrects both directions: T < 1 sharpens an under-confident head, T > 1 flattens an over-confident one, where
+  CALM's label-free upper level (maximum entropy) can only flatten;
+- one parameter fits from a few hundred labels without overfitting them; a two-parameter Platt map on the top
+  option's confidence would leave the other options' probabilities inconsistent with it, and isotonic needs
+  thousands of labels to be smooth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import minimize_scalar
+
+from calm_core.metrics import auroc, binned_calibration_error
+
+AUROC_TOLERANCE = 0.01  # a temperature reorders answers across questions only slightly; more than this is a change
+
+
+def tempered(log_probs: Sequence[np.ndarray], temperature: float) -> list[np.ndarray]:
+    """softmax(scores / T) per question (any scores that are log-probs up to a constant: option log-probs, cloze
+    scores)."""
+    out = []
+    for lp in log_probs:
+        z = np.asarray(lp, dtype=np.float64) / temperature
+        z = np.exp(z - z.max())
+        out.append(z / z.sum())
+    return out
+
+
+def fit_temperature(log_probs: Sequence[np.ndarray], labels: Sequence[int]) -> float:
+    """The T in [0.05, 20] minimising the labelled questions' negative log-likelihood under softmax(scores / T)."""
+    if len(log_probs) == 0 or len(log_probs) != len(labels):
+        raise ValueError("need one label per scored question, at least one")
+
+    def nll(log_t: float) -> float:
+        probs = tempered(log_probs, float(np.exp(log_t)))
+        return -float(np.mean([np.log(max(p[y], 1e-300)) for p, y in zip(probs, labels)]))
+
+    return float(np.exp(minimize_scalar(nll, bounds=(np.log(0.05), np.log(20.0)), method="bounded").x))
+
+
+@dataclass(frozen=True)
+class HeldOutCheck:
+    """A temperature judged on labels it was not fitted on: ECE must fall and AUROC must not."""
+
+    n: int
+    temperature: float
+    accuracy: float
+    ece_before: float
+    ece_after: float
+    auroc_before: float
+    auroc_after: float
+    mean_confidence_before: float
+    mean_confidence_after: float
+
+    @property
+    def passed(self) -> bool:
+        return self.ece_after < self.ece_before and not self.auroc_after < self.auroc_before - AUROC_TOLERANCE
+
+    @property
+    def reason(self) -> str:
+        verdict = "passes" if self.passed else "fails"
+        return (f"T = {self.temperature:.3f} {verdict} on {self.n} held-out labels: ECE {self.ece_before:.3f} -> "
+                f"{self.ece_after:.3f} (must fall), AUROC {self.auroc_before:.3f} -> {self.auroc_after:.3f} (must not "
+                f"fall by more than {AUROC_TOLERANCE}), accuracy {self.accuracy:.3f} unchanged")
+
+
+def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], temperature: float) -> HeldOutCheck:
+    before, after = tempered(log_probs, 1.0), tempered(log_probs, temperature)
+    labels = np.asarray(labels)
+    conf_b, conf_a = np.array([p.max() for p in before]), np.array([p.max() for p in after])
+    correct = np.array([int(np.argmax(p)) for p in before]) == labels
+    return HeldOutCheck(len(labels), temperature, float(correct.mean()),
+                        binned_calibration_error(conf_b, correct), binned_calibration_error(conf_a, correct),
+                        auroc(conf_b, correct), auroc(conf_a, correct), float(conf_b.mean()), float(conf_a.mean()))
+
+
+def split_fit_held_out(n: int, held_out: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the fitting and held-out parts of n labels (a seeded shuffle; at least one in each)."""
+    if n < 2:
+        raise ValueError("need at least two labels: one to fit on, one to check on")
+    order = np.random.default_rng(seed).permutation(n)
+    k = min(max(1, round(n * held_out)), n - 1)
+    return np.sort(order[k:]), np.sort(order[:k])

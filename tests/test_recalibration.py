@@ -1,0 +1,65 @@
+"""Labelled recalibration's math: the temperature fit, the held-out check, the split (pure functions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calm_core.recalibration import check_held_out, fit_temperature, split_fit_held_out, tempered
+
+
+def synthetic(n: int, true_temperature: float, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """Questions whose labels are drawn from softmax(scores / T): T is what a fit should find."""
+    rng = np.random.default_rng(seed)
+    scores = [rng.normal(0, 1.5, size=rng.integers(2, 6)) for _ in range(n)]
+    labels = np.array([rng.choice(len(p), p=p) for p in tempered(scores, true_temperature)])
+    return scores, labels
+
+
+@pytest.mark.parametrize("truth", [0.4, 1.0, 2.5])  # under-confident head (sharpen), calibrated, over-confident
+def test_the_fit_finds_the_temperature_that_generated_the_labels(truth):
+    scores, labels = synthetic(4000, truth)
+    assert fit_temperature(scores, labels) == pytest.approx(truth, rel=0.08)
+
+
+def test_the_held_out_check_passes_a_fitted_temperature_and_fails_a_wrong_one():
+    scores, labels = synthetic(3000, 0.5, seed=1)
+    fit, held = split_fit_held_out(len(labels), 1 / 3, seed=0)
+    t = fit_temperature([scores[i] for i in fit], labels[fit])
+    check = check_held_out([scores[i] for i in held], labels[held], t)
+    assert check.passed and check.ece_after < check.ece_before and "passes" in check.reason
+    assert check.mean_confidence_after > check.mean_confidence_before  # under-confident: sharpened, both directions
+    wrong = check_held_out([scores[i] for i in held], labels[held], 3.0)
+    assert not wrong.passed and "fails" in wrong.reason
+    assert wrong.accuracy == check.accuracy  # a temperature never changes the answers
+
+
+def test_the_split_is_seeded_disjoint_and_never_empty():
+    fit, held = split_fit_held_out(10, 1 / 3, seed=3)
+    assert len(held) == 3 and len(fit) == 7 and not set(fit) & set(held)
+    assert (split_fit_held_out(10, 1 / 3, seed=3)[1] == held).all()
+    assert [len(x) for x in split_fit_held_out(2, 0.01, seed=0)] == [1, 1]
+    with pytest.raises(ValueError):
+        split_fit_held_out(1, 0.5, seed=0)
+    with pytest.raises(ValueError):
+        fit_temperature([], [])
+
+
+def test_a_recalibrated_version_is_a_new_version_with_the_parents_parts_and_its_lineage(tmp_path):
+    from calm_core.alpha_head import AlphaHead
+    from calm_core.artifact import BaseModelRef, Recalibration, TokenizerRef, derive_version, load_artifact, save_artifact
+    from gateway.prepare import ServedArtifact
+
+    head = AlphaHead(scale=np.array([0.8], dtype=np.float32), shift=np.array([0.0], dtype=np.float32))
+    parent = save_artifact(tmp_path / "parent", head, base_model=BaseModelRef(id="tiny", weights_sha256="w" * 64),
+                           tokenizer=TokenizerRef(sha256="t" * 64, vocab_size=8), method="calm_scalar",
+                           artifact_version="calm_scalar-v1")
+    lineage = Recalibration(parent="calm_scalar-v1", domain="science", temperature=0.6, fitted_on="200 labels",
+                            held_out={"ece_before": 0.2, "ece_after": 0.04})
+    derived = derive_version(tmp_path / "parent", tmp_path / "child", "recalibrated", option_temperature=0.6,
+                             recalibration=lineage.model_dump())
+    child = load_artifact(tmp_path / "child")  # verifies the copied head against its hash
+    assert derived.artifact_version.startswith("recalibrated-") and derived.artifact_version != parent.artifact_version
+    assert child.manifest.recalibration == lineage and child.manifest.head_sha256 == parent.head_sha256
+    assert ServedArtifact.of(child).post_hoc.option_temperature == 0.6  # what the gateway's scorers divide by
+    assert load_artifact(tmp_path / "parent").manifest.option_temperature == 1.0  # the parent is untouched

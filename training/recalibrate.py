@@ -1,0 +1,73 @@
+"""`calm artifact recalibrate`: a new version whose multiple-choice confidence is fitted to a domain's labels, in
+seconds, without training (calm_core/recalibration.py says why a temperature on the option scores).
+
+The labelled questions are scored as the version serves them (offline engine, the gateway's scorers); a seeded part
+fits the temperature, the rest checks it (ECE must fall, AUROC must not); only a temperature that passes becomes a
+version: the parent's head, adapter and free-form mode, the new temperature, the lineage (parent, labels, held-out
+numbers) and the domain's reference histogram under the new confidence, so the drift monitor compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_core.artifact import Recalibration, derive_version
+from calm_core.errors import CalmError
+from calm_core.models import resolve_model
+from calm_core.recalibration import check_held_out, fit_temperature, split_fit_held_out, tempered
+from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
+from training.artifacts import reference_histogram
+from training.evaluate import DatasetSpec, sample_questions
+from training.scoring import load_tokenizer
+
+
+@dataclass(frozen=True)
+class RecalibrateConfig:
+    artifact: str  # the parent version's folder
+    labels: DatasetSpec  # labelled multiple-choice questions of the domain (name[:split][@range] or a .jsonl file)
+    domain: str
+    out: str  # the new version's folder
+    limit: int | None = None
+    held_out: float = 1 / 3
+    seed: int = 0
+
+
+def served_log_probs(cfg: RecalibrateConfig) -> tuple[list[np.ndarray], np.ndarray, object]:
+    """Each labelled question's option log-probs as the parent serves them, the labels, and the parent."""
+    resolved = resolve_model(None)
+    tokenizer = load_tokenizer(resolved.path)
+    parent = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
+    questions = sample_questions(cfg.labels.load(), cfg.limit, cfg.seed)
+    model = load_served_model(str(resolved.path), parent.adapter_dir)
+    probs = option_probabilities(model, tokenizer, questions, parent.manifest.answer_format, parent.head,
+                                 option_temperature=parent.manifest.option_temperature)
+    log_probs = [np.log(np.maximum(p[: len(q.choices)], 1e-300)) for p, q in zip(probs, questions)]
+    return log_probs, np.array([q.answer for q in questions]), parent
+
+
+def run_recalibrate(cfg: RecalibrateConfig) -> dict:
+    log_probs, labels, parent = served_log_probs(cfg)
+    fit, held = split_fit_held_out(len(labels), cfg.held_out, cfg.seed)
+    t = fit_temperature([log_probs[i] for i in fit], labels[fit])
+    check = check_held_out([log_probs[i] for i in held], labels[held], t)
+    summary = {"parent": parent.manifest.artifact_version, "labels": cfg.labels.label, "domain": cfg.domain,
+               "n_fit": len(fit), "check": {**asdict(check), "passed": check.passed}, "reason": check.reason}
+    if not check.passed:
+        raise CalmError(f"no version written: {check.reason}")
+    served = np.array([p.max() for p in tempered(log_probs, t)])
+    numbers = {k: float(v) for k, v in asdict(check).items()}
+    lineage = Recalibration(parent=parent.manifest.artifact_version, domain=cfg.domain,
+                            temperature=parent.manifest.option_temperature * t,
+                            fitted_on=f"{len(fit)} labels of {cfg.labels.label}", held_out=numbers)
+    manifest = derive_version(parent.path, cfg.out, "recalibrated", option_temperature=lineage.temperature,
+                              recalibration=lineage.model_dump(), metrics={f"held_out/{cfg.labels.label}": numbers},
+                              reference_histograms={**parent.manifest.reference_histograms,
+                                                    cfg.domain: reference_histogram(served).model_dump()})
+    summary["version"] = manifest.artifact_version
+    summary["option_temperature"] = manifest.option_temperature
+    Path(cfg.out, "recalibration.json").write_text(json.dumps(summary, indent=2))
+    return summary
