@@ -75,21 +75,43 @@ _FILLER = {"is", "was", "are", "were", "be", "been", "of", "in", "on", "at", "to
 def new_words(text: str, context: str = "") -> list[str]:
     """The normalised words of an answer's start that carry information: not filler, not already in the context (the
     prompt). "The capital of France is Paris." to "What is the capital of France?" is just ["paris"]."""
-    known = set(normalize_answer(context).split())
+    return _new_words(text, _known(context))
+
+
+def _known(context: str) -> frozenset[str]:
+    return frozenset(normalize_answer(context).split())
+
+
+def _new_words(text: str, known: frozenset[str]) -> list[str]:
     words = normalize_answer(text).split()[:AGREEMENT_WORDS]
     return [w for w in words if w not in _FILLER and w not in known]
+
+
+class AgreementReader:
+    """Agreement between answers to one prompt, reading the prompt and each answer once (a request compares its
+    answers with every sample, and the samples with each other to cluster them)."""
+
+    def __init__(self, context: str = ""):
+        self.known = _known(context)
+
+    def words(self, text: str) -> Counter:
+        return Counter(_new_words(text, self.known))
+
+    @staticmethod
+    def f1(wa: Counter, wb: Counter) -> float:
+        common = sum((wa & wb).values())
+        if common == 0:
+            return 0.0
+        precision, recall = common / sum(wb.values()), common / sum(wa.values())
+        return 2 * precision * recall / (precision + recall)
 
 
 def agreement(a: str, b: str, context: str = "") -> float:
     """How much two answers to the same prompt say the same: the F1 of their new words (SQuAD's word overlap, with
     what the prompt already said removed, so echoing the question is not agreeing). 1.0: the same information; 0.0:
     nothing in common, or one says nothing new."""
-    wa, wb = Counter(new_words(a, context)), Counter(new_words(b, context))
-    common = sum((wa & wb).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / sum(wb.values()), common / sum(wa.values())
-    return 2 * precision * recall / (precision + recall)
+    reader = AgreementReader(context)
+    return reader.f1(reader.words(a), reader.words(b))
 
 
 @dataclass(frozen=True)
@@ -102,13 +124,17 @@ class Cluster:
         return len(self.members)
 
 
-def semantic_clusters(answers: Sequence[str], context: str = "", threshold: float = 0.5) -> list[Cluster]:
+def semantic_clusters(answers: Sequence[str], context: str = "", threshold: float = 0.5,
+                      words: Sequence[Counter] | None = None) -> list[Cluster]:
     """Groups of answers that say the same (agreement ≥ threshold with the group's first answer), largest first (ties:
-    the group whose first member came first)."""
+    the group whose first member came first). `words`: the answers' `AgreementReader.words`, when already read."""
+    if words is None:
+        reader = AgreementReader(context)
+        words = [reader.words(a) for a in answers]
     groups: list[list[int]] = []
-    for i, text in enumerate(answers):
+    for i in range(len(answers)):
         for members in groups:
-            if agreement(answers[members[0]], text, context) >= threshold:
+            if AgreementReader.f1(words[members[0]], words[i]) >= threshold:
                 members.append(i)
                 break
         else:

@@ -94,7 +94,7 @@ class ArtifactManifest(BaseModel):
     # The free-form artifact inside FREE_FORM_DIR (its version), when this one serves both kinds of answer.
     free_form_version: str | None = None
     # Free-form answers' semantic confidence: how samples are drawn and the map from agreement to probability (fitted
-    # by `calm semantic fit`; absent: the unfitted defaults).
+    # by `calm artifact fit-semantic`; absent: the unfitted defaults).
     semantic: SemanticCalibration | None = None
     # Multiple-choice option scores are divided by this before their softmax: 1 unless the version was recalibrated on
     # a domain's labels (`recalibration` says from which parent, on what, and its held-out check).
@@ -248,12 +248,7 @@ def attach_free_form(multiple_choice: str | Path, free_form: str | Path, out: st
         "artifact_version": new_version_id(mc.manifest.method), "free_form_version": ff.manifest.artifact_version,
         "reference_histograms": histograms, "created_at": datetime.now(timezone.utc).isoformat()})
     with atomic_dir(out) as tmp:
-        for name in (HEAD_FILE, ADAPTER_DIR):
-            src = mc.path / name
-            if src.is_dir():
-                shutil.copytree(src, tmp / name)
-            elif src.is_file():
-                shutil.copy2(src, tmp / name)
+        _copy_parts(mc.path, tmp, (HEAD_FILE, ADAPTER_DIR))
         shutil.copytree(ff.path, tmp / FREE_FORM_DIR, ignore=shutil.ignore_patterns(FREE_FORM_DIR))
         _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return manifest
@@ -267,13 +262,18 @@ def derive_version(parent: str | Path, out: str | Path, method: str, **changes) 
                                                 "artifact_version": new_version_id(method),
                                                 "created_at": datetime.now(timezone.utc).isoformat()})
     with atomic_dir(out) as tmp:
-        for name in (HEAD_FILE, ADAPTER_DIR, FREE_FORM_DIR):
-            if (src.path / name).is_dir():
-                shutil.copytree(src.path / name, tmp / name)
-            elif (src.path / name).is_file():
-                shutil.copy2(src.path / name, tmp / name)
+        _copy_parts(src.path, tmp, (HEAD_FILE, ADAPTER_DIR, FREE_FORM_DIR))
         _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return manifest
+
+
+def _copy_parts(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    """The named files and folders of an artifact that it has (an adapter or free-form mode is optional)."""
+    for name in names:
+        if (src / name).is_dir():
+            shutil.copytree(src / name, dst / name)
+        elif (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 
 from calm_core.metrics import auroc, binned_calibration_error
+from calm_core.scoring import options_softmax
 
 AUROC_TOLERANCE = 0.01  # a temperature reorders answers across questions only slightly; more than this is a change
 
@@ -27,12 +28,7 @@ AUROC_TOLERANCE = 0.01  # a temperature reorders answers across questions only s
 def tempered(log_probs: Sequence[np.ndarray], temperature: float) -> list[np.ndarray]:
     """softmax(scores / T) per question (any scores that are log-probs up to a constant: option log-probs, cloze
     scores)."""
-    out = []
-    for lp in log_probs:
-        z = np.asarray(lp, dtype=np.float64) / temperature
-        z = np.exp(z - z.max())
-        out.append(z / z.sum())
-    return out
+    return [options_softmax(np.asarray(lp, dtype=np.float64) / temperature).probs for lp in log_probs]
 
 
 def fit_temperature(log_probs: Sequence[np.ndarray], labels: Sequence[int]) -> float:

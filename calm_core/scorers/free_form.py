@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from calm_core.answers import agreement, cluster_entropy, semantic_clusters
+from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
 from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
 from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.scoring import sequence_confidence, topk_entropy
@@ -79,13 +79,15 @@ class SemanticScorer:
                               max_tokens=min(job.request.max_tokens, cal.max_tokens))
         outs, samples = await asyncio.gather(generate_choices(self.engine, job.request),
                                              generate_choices(self.engine, sampled))
-        texts, context = [s.text for s in samples], job.prompt.text
-        clusters = semantic_clusters(texts, context, AGREES)
+        texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
+        words = [reader.words(t) for t in texts]
+        clusters = semantic_clusters(texts, threshold=AGREES, words=words)
         listed = [(texts[c.representative], c.size) for c in clusters]
         sampled_tokens = sum(len(s.token_ids) for s in samples)  # generated for this request: counted once, choice 0
         choices = []
         for i, out in enumerate(outs):
-            agreeing = sum(agreement(out.text, t, context) >= AGREES for t in texts)
+            answer = reader.words(out.text)
+            agreeing = sum(reader.f1(answer, w) >= AGREES for w in words)
             choices.append(ScoredChoice(
                 out.text, out.finish_reason, cal.confidence(agreeing, len(texts)),
                 agreeing / len(texts) if job.with_raw else None, cluster_entropy(clusters),

@@ -2,8 +2,9 @@
 
 Multiple choice is scored the way the artifact's head was fitted (its answer format; cloze in one pass where the
 engine serves folded weights); free form by the confidence method the request or the domain's policy asks for.
-Adding a scorer: a class with `path`, `kind`, `description`, `streams` and `score` (calm_core/scorers/base.py), a
-`ScoringPath` member, an entry in `SCORERS`, and, for a new confidence method, a `ConfidenceMethod` member.
+Adding a scorer: a class built from (engine, tokenizer, post_hoc) with `path`, `kind`, `description`, `streams` and
+`score` (calm_core/scorers/base.py), a `ScoringPath` member, an entry in `SCORERS`, and, for a new confidence method,
+a `ConfidenceMethod` member.
 """
 
 from __future__ import annotations
