@@ -1,8 +1,10 @@
 """Engine settings by device, one typed object for `calm serve` (in-process) and `calm engine` (vLLM's server).
 
 On CPU the values that run today on the 2-core machines: float32 (matches HF transformers to ~5e-5; bf16 drifts),
-eager execution, a fixed KV cache in bytes, and an artifact's adapter merged into a copy of the weights (vLLM's CPU
-LoRA path runs as plain PyTorch ops and was 6x slower). On CUDA, vLLM's own defaults: bfloat16, CUDA graphs, the KV
+eager execution, a fixed KV cache in bytes, an artifact's adapter merged into a copy of the weights (vLLM's CPU
+LoRA path runs as plain PyTorch ops and was 6x slower), and the model run inside the engine-core process ("uni"
+executor) instead of a worker process of its own: one process fewer to spawn and import vLLM in per engine, which
+halves an engine's start (benchmarks/bench_engine_start.py) at the same throughput. On CUDA, vLLM's own defaults: bfloat16, CUDA graphs, the KV
 cache sized as a share of GPU memory, prefix caching, and adapters served by vLLM's multi-LoRA kernels in the same
 engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones come from the device.
 """
@@ -14,6 +16,9 @@ from typing import Literal
 
 Device = Literal["cpu", "cuda"]
 AdapterMode = Literal["merged", "lora"]
+Executor = Literal["uni", "mp"]
+# vLLM's CPU platform replaces the "uni" executor by "mp" unless this is "0" where the engine's config is made.
+SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,7 @@ class EngineOverrides:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
     adapter_mode: AdapterMode | None = None
+    executor: Executor | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class EngineSettings:
     gpu_memory_utilization: float | None
     enable_prefix_caching: bool | None  # None: vLLM's own default for the platform
     adapter_mode: AdapterMode
+    executor: Executor | None  # None: vLLM's own choice ("uni" for one GPU)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +54,8 @@ class EngineSettings:
     def vllm_kwargs(self) -> dict:
         """Engine-argument names as vLLM's AsyncEngineArgs takes them."""
         kwargs = dict(dtype=self.dtype, enforce_eager=self.enforce_eager)
+        if self.executor is not None:
+            kwargs["distributed_executor_backend"] = self.executor
         if self.enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = self.enable_prefix_caching
         if self.kv_cache_bytes is not None:
@@ -60,6 +69,8 @@ class EngineSettings:
         args = ["--dtype", self.dtype]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.executor is not None:
+            args += ["--distributed-executor-backend", self.executor]
         if self.enable_prefix_caching is not None:
             args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.kv_cache_bytes is not None:
@@ -68,11 +79,15 @@ class EngineSettings:
             args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
         return args
 
+    def env(self) -> dict[str, str]:
+        """Environment the process that builds the engine's config needs for these values."""
+        return dict(SINGLE_PROCESS_ENV) if self.executor == "uni" else {}
+
 
 CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, kv_cache_mb=512, gpu_memory_utilization=None,
-                    enable_prefix_caching=None, adapter_mode="merged")
+                    enable_prefix_caching=None, adapter_mode="merged", executor="uni")
 CUDA_DEFAULTS = dict(dtype="bfloat16", enforce_eager=False, kv_cache_mb=None, gpu_memory_utilization=0.9,
-                     enable_prefix_caching=True, adapter_mode="lora")
+                     enable_prefix_caching=True, adapter_mode="lora", executor=None)
 
 
 def detect_device() -> Device:
@@ -100,6 +115,7 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
         kv_cache_bytes=kv_mb * 1024**2 if kv_mb is not None else None,
         gpu_memory_utilization=gpu_share if kv_mb is None else None,
         enable_prefix_caching=pick("enable_prefix_caching"), adapter_mode=pick("adapter_mode"),
+        executor=pick("executor"),
     )
 
 

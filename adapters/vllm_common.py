@@ -45,6 +45,7 @@ class EngineConfig:
         return {
             ARTIFACT_ENV: os.path.abspath(self.artifact_path),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            **self.engine.env(),
         }
 
     def engine_kwargs(self, model_path: str | None = None, lora: bool = False, artifact_path: str | None = None) -> dict:

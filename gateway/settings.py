@@ -42,6 +42,7 @@ class GatewaySettings(BaseSettings):
     gpu_memory_utilization: float | None = None  # CUDA 0.9
     enable_prefix_caching: bool | None = None  # CUDA true; CPU vLLM's default
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
+    executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
     admin_key: str = DEV_ADMIN_KEY
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.
@@ -87,7 +88,8 @@ class GatewaySettings(BaseSettings):
     def engine_overrides(self) -> EngineOverrides:
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,
                                kv_cache_mb=self.kv_cache_mb, gpu_memory_utilization=self.gpu_memory_utilization,
-                               enable_prefix_caching=self.enable_prefix_caching, adapter_mode=self.adapter_mode)
+                               enable_prefix_caching=self.enable_prefix_caching, adapter_mode=self.adapter_mode,
+                               executor=self.executor)
 
     @model_validator(mode="after")
     def _safe(self):

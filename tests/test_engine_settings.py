@@ -14,9 +14,13 @@ def test_cpu_defaults_are_todays_engine():
     s = resolve(EngineOverrides(), detected="cpu")
     assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
         "cpu", "float32", True, 512 * 1024**2, None)
-    assert s.adapter_mode == "merged" and s.enable_prefix_caching is None
-    assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 * 1024**2}
-    assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(512 * 1024**2)]
+    assert s.adapter_mode == "merged" and s.enable_prefix_caching is None and s.executor == "uni"
+    assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
+                               "kv_cache_memory_bytes": 512 * 1024**2}
+    assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
+                               "--kv-cache-memory-bytes", str(512 * 1024**2)]
+    # without it vLLM's CPU platform turns "uni" back into a worker process
+    assert s.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def test_cuda_defaults_are_vllms():
@@ -27,6 +31,7 @@ def test_cuda_defaults_are_vllms():
     assert s.vllm_kwargs() == {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": True,
                                "gpu_memory_utilization": 0.9}
     assert "--enforce-eager" not in s.server_args() and "--gpu-memory-utilization" in s.server_args()
+    assert s.executor is None and s.env() == {} and "--distributed-executor-backend" not in s.server_args()
 
 
 def test_explicit_values_win_over_the_device():
@@ -37,6 +42,8 @@ def test_explicit_values_win_over_the_device():
     assert resolve(EngineOverrides(device="cpu"), detected="cuda").device == "cpu"
     assert resolve(EngineOverrides(device="cuda"), detected="cpu").dtype == "bfloat16"
     assert resolve(EngineOverrides(gpu_memory_utilization=0.5), detected="cuda").gpu_memory_utilization == 0.5
+    mp = resolve(EngineOverrides(executor="mp"), detected="cpu")
+    assert mp.vllm_kwargs()["distributed_executor_backend"] == "mp" and mp.env() == {}
 
 
 @pytest.mark.parametrize("overrides, detected, needle", [
