@@ -76,10 +76,12 @@ path = "{test_file}"
     # The gate a candidate cannot pass: it would have to beat the active version's accuracy by a full point.
     strict_train = tmp / "strict-train.toml"
     strict_train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 2"))
-    # Its newest 40 captured prompts are enough to train and judge a candidate that must fail (all 220 cost ~40 s).
+    # Its newest 40 captured prompts and 20 of the labelled questions are enough to train and judge a candidate that
+    # must fail whatever it scores (all 220 and 100 cost ~60 s).
     (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
                                      "accuracy_tolerance = -1.0\nmax_prompts = 40").replace(
-                                     "configs/train/loop-smoke.toml", str(strict_train)))
+                                     "configs/train/loop-smoke.toml", str(strict_train)).replace(
+                                     f'path = "{test_file}"', f'path = "{test_file}"\nlimit = 20'))
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
     # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
@@ -268,9 +270,9 @@ def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifac
     on = capture.configure("science", CaptureSettings(enabled=True))
     capture.add("science", on, [("multiple_choice", q["question"], q["choices"], None) for q in two_way(shared_data, 0, 60, 0)])
     job, _ = JobQueue(db).enqueue("science", "operator")
-    # Long enough to be killed mid-training: 40 steps, a checkpoint every 2.
+    # Long enough to be killed mid-training: 20 steps, a checkpoint every 2.
     train = tmp_path / "train.toml"
-    train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 40"))
+    train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 20"))
     (tmp_path / "loop.toml").write_text(f'train_config = "{train}"\nruns_dir = "{tmp_path / "jobs"}"\n'
                                         "min_prompts = 40\naccuracy_tolerance = 1.0\nauto_promote_label_free = true\n")
     env = {"CALM_DB_PATH": str(db_path), "CALM_REGISTRY_DIR": str(registry_dir)}
@@ -293,7 +295,7 @@ def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifac
     assert finished.attempts == 2 and any("resumed" in line for line in finished.log)
     assert any("resumed from the checkpoint at step" in line for line in finished.log), finished.log
     steps = [json.loads(line)["step"] for line in train_log.read_text().splitlines()]
-    assert steps[-1] == 40 and len(steps) < steps_before + 40  # it went on from the checkpoint, not from step 0
+    assert steps[-1] == 20 and len(steps) < steps_before + 20  # it went on from the checkpoint, not from step 0
     versions = [r.version for r in registry.list()]
     assert len(versions) == 2 and finished.candidate in versions  # exactly one candidate, complete and loadable
     from calm_core.artifact import load_artifact
