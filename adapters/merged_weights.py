@@ -18,6 +18,7 @@ from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import LoadedArtifact
 from calm_core.atomic import atomic_dir
 from calm_core.paths import calm_home
+from calm_core.startup import stage
 
 
 def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
@@ -27,6 +28,7 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     target = (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
     if (target / "config.json").is_file():
         return target
+    stage(f"merging version {artifact.manifest.artifact_version}'s adapter into a copy of the weights (once)")
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -55,6 +57,7 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = merged_model_dir(base_model_path, artifact, home)
+    stage(f"folding version {artifact.manifest.artifact_version}'s head into the LM head for one-pass scoring (once)")
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     scale = torch.as_tensor(artifact.head.scale, dtype=torch.float32)[:, None]
     with torch.no_grad():

@@ -392,19 +392,33 @@ def serve(
     from pydantic import ValidationError
 
     from calm_cli.serving import build_gateway
+    from calm_core.startup import StartupLog, stage
     from gateway.settings import GatewaySettings
+    from gateway.starting import StartingApp
 
+    progress = StartupLog().install()
     try:
         settings = GatewaySettings(**{k: v for k, v in {"host": host, "port": port, "artifact": str(artifact) if artifact else None}.items() if v is not None})
     except ValidationError as e:
         raise CalmError(f"invalid settings: {e.errors()[0]['msg']}") from None
-    app_ = build_gateway(settings)
-    typer.echo(f"CALM Gateway on http://{settings.host}:{settings.port}  (model {settings.served_model_name}, engine {settings.engine.value})")
+    url = f"http://{settings.host}:{settings.port}"
+    typer.echo(f"CALM Gateway on {url}  (model {settings.served_model_name}, engine {settings.engine.value}); "
+               "/health/live answers now, /health/ready and /v1/* once the engines have started")
+    # The server listens at once; the app (model conversion on a first run, merged weights) and its engines are built
+    # behind it (gateway/starting.py), which answers 503 "starting" meanwhile.
+    starting = StartingApp(lambda: build_gateway(settings), doing=lambda: f"{progress.current} ({progress.elapsed():.0f} s)")
     # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
     # closes the engine and the database; every write was awaited before its response, so none is pending.
-    uvicorn.run(app_, host=settings.host, port=settings.port, log_level="info", access_log=False, loop="uvloop",
-                http="httptools",
-                timeout_graceful_shutdown=int(settings.drain_s) or None)
+    server = uvicorn.Server(uvicorn.Config(starting, host=settings.host, port=settings.port, log_level="info",
+                                           access_log=False, loop="uvloop", http="httptools",
+                                           timeout_graceful_shutdown=int(settings.drain_s) or None))
+    starting.on_ready = lambda: stage(f"ready on {url} after {progress.elapsed():.1f} s")
+    starting.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if starting.failed is not None:
+        if isinstance(starting.failed, CalmError):
+            raise starting.failed
+        raise CalmError(f"the gateway did not start: {type(starting.failed).__name__}: {starting.failed}")
 
 
 @app.command("engine")

@@ -10,6 +10,7 @@ from calm_core.errors import CalmError
 from calm_core.hashing import vocab_sha256
 from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
 from calm_core.paths import BUNDLED_DIR
+from calm_core.startup import stage
 
 DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
 
@@ -82,8 +83,10 @@ def build_gateway(settings):
     from gateway.app import create_app
     from gateway.settings import EngineKind
 
+    stage(f"preparing the model ({settings.model or 'the embedded default'})")
     model = resolve_model(settings.model, "float32")
     configured = Path(settings.artifact) if settings.artifact else default_artifact(model)
+    stage(f"loading the artifact {configured.name} and the served copies of its weights")
     load_version = None
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine

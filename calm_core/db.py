@@ -38,6 +38,11 @@ class Database:
     def close(self) -> None:
         self.engine.dispose()
 
+    def ping(self) -> None:
+        """Raises the driver's error when the database does not answer (readiness)."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
     def _write(self):
         """A write transaction: `with db._write() as conn:`, committed on success, rolled back on any error."""
         return _WriteTx(self)

@@ -17,6 +17,7 @@ from calm_core.atomic import atomic_dir
 from calm_core.errors import ModelError
 from calm_core.hashing import sha256_file, weights_sha256
 from calm_core.paths import calm_home
+from calm_core.startup import stage
 
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = {"embedded", "default", "smollm2-135m-instruct", EMBEDDED_ID.lower()}
@@ -80,6 +81,7 @@ def prepare_embedded(dtype: str = "float32", home: Path | None = None, force: bo
     if not force and manifest and manifest.get("source_sha256") == source_sha and manifest.get("dtype") == dtype:
         return target
 
+    stage(f"converting the embedded model to safetensors ({dtype}; once, about half a minute)")
     model, tokenizer = load_gguf_model(gguf, dtype)
     # The weights are dense after loading; transformers refuses to save a model still marked GGUF-quantised.
     model.hf_quantizer = None

@@ -100,3 +100,36 @@ def background(argv: list[str], log_path: Path, env: dict | None = None):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+def watch_start(base: str, proc: subprocess.Popen, log_path: Path, timeout: float = 300.0) -> list[dict]:
+    """Poll a starting gateway until an answer is served: each round asks /health/live, /health/ready, a chat answer,
+    then /health/ready again, and records the statuses (None: nothing listens yet) and the answer's error type."""
+    question = {"model": "calm-smollm2-135m", "messages": [{"role": "user", "content": "Which gas do plants absorb?"}],
+                "options": ["oxygen", "carbon dioxide"]}
+
+    def status(method: str, path: str, **kwargs) -> tuple[int | None, httpx.Response | None]:
+        try:
+            r = httpx.request(method, f"{base}{path}", timeout=60, **kwargs)
+            return r.status_code, r
+        except httpx.TransportError:
+            return None, None
+
+    rounds: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode}; log:\n{log_path.read_text()[-3000:]}")
+        live, _ = status("GET", "/health/live")
+        ready_before, _ = status("GET", "/health/ready")
+        answer, response = status("POST", "/v1/chat/completions", json=question)
+        ready_after, _ = status("GET", "/health/ready")
+        error = response.json().get("error", {}).get("type") if response is not None and answer != 200 else None
+        retry_after = response.headers.get("retry-after") if response is not None else None
+        rounds.append({"live": live, "ready_before": ready_before, "answer": answer, "answer_error": error,
+                       "retry_after": retry_after, "ready_after": ready_after})
+        if answer == 200 and ready_after == 200:
+            return rounds
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no answer after {timeout}s; last rounds {rounds[-3:]}; log:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)

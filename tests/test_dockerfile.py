@@ -96,3 +96,10 @@ def test_compose_wires_the_gateway_to_its_postgresql_service():
     db = compose["services"][url.host]
     assert db["environment"]["POSTGRES_DB"] == url.database and db["environment"]["POSTGRES_USER"] == url.username
     assert gateway["depends_on"][url.host] == {"condition": "service_healthy"} and "healthcheck" in db
+    assert "/health/ready" in " ".join(gateway["healthcheck"]["test"])  # readiness, not liveness
+
+
+def test_images_check_readiness():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    checks = [line for line in dockerfile.splitlines() if line.startswith("HEALTHCHECK")]
+    assert len(checks) == 2 and all("/health/ready" in line for line in checks)

@@ -4,25 +4,34 @@ artifact's LoRA weights and α head, checked against HF transformers + peft (fp3
 
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from calm_core.data import load_mc
 from tests.hf_reference import cloze_option_probs
-from tests.servers import calm_argv, free_port, running
+from tests.servers import background, calm_argv, free_port, watch_start
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory, embedded_model_dir):
+def started(tmp_path_factory, embedded_model_dir):
+    """The gateway, watched from its launch until it serves an answer (tests/servers.py watch_start)."""
     tmp = tmp_path_factory.mktemp("default-gateway")
     port = free_port()
-    with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp / "gateway.log",
-                 {"CALM_DB_PATH": str(tmp / "gw.sqlite3")}):
-        yield f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    log = tmp / "gateway.log"
+    with background(calm_argv("serve", "--port", str(port)), log, {"CALM_DB_PATH": str(tmp / "gw.sqlite3")}) as proc:
+        rounds = watch_start(base, proc, log)
+        yield {"base": base, "rounds": rounds, "log": log}
+
+
+@pytest.fixture(scope="module")
+def gateway(started):
+    return started["base"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +41,32 @@ def client(gateway):
 
 def calibration(choice) -> dict:
     return choice.model_extra["calibration"]
+
+
+def test_ready_flips_to_200_exactly_when_the_first_answer_is_served(started):
+    """`calm serve` listens at once: live 200 while ready and every answer are 503 "starting" (with Retry-After);
+    /health/ready turns 200 together with the answers, never before or after them."""
+    rounds = started["rounds"]
+    starting = [r for r in rounds if r["live"] == 200 and r["answer"] == 503]
+    assert starting, rounds[:5]  # the server answered long before its engines had started
+    assert all(r["answer_error"] == "starting" and r["retry_after"] for r in starting)
+    assert all(r["ready_before"] == 503 for r in starting)
+    for r in rounds:
+        assert r["answer"] in (None, 200, 503), r
+        if r["ready_before"] == 200:
+            assert r["answer"] == 200, r  # ready means an answer can be served
+        if r["ready_after"] == 503:
+            assert r["answer"] == 503, r  # and an answer means ready
+    assert rounds[-1]["answer"] == 200 and rounds[-1]["ready_after"] == 200
+    log = started["log"].read_text()
+    for line in ("starting 3 vLLM engines", "engine 'folded' answers", "engine 'free_form' answers",
+                 f"ready on {started['base']} after"):
+        assert line in log, line
+
+
+def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
+    health = httpx.get(f"{gateway}/health").json()
+    assert health["scoring"]["multiple_choice"].startswith("cloze one-pass:"), health["scoring"]
 
 
 def test_shipped_artifact_is_a_trained_calm_head_on_cloze(shipped_artifact):

@@ -1,6 +1,10 @@
-"""Health (every loaded version's engine answers) and Prometheus metrics."""
+"""Health (every loaded version's engine answers), the liveness and readiness probes, and Prometheus metrics.
+
+Until the engines have started, gateway/starting.py answers these paths itself (live 200, ready 503)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
@@ -20,6 +24,20 @@ async def health(gateway: GatewayState = Depends(state)):
         await deployment.service.engine.check_health()
     return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
             "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe()}
+
+
+@router.get("/health/live")
+async def live():
+    return {"status": "live", "ready": True}
+
+
+@router.get("/health/ready", responses=documented(503))
+async def ready(gateway: GatewayState = Depends(state)):
+    """Every engine of every serving version answers and the database answers (else 503)."""
+    for deployment in list(gateway.deployments.loaded.values()):
+        await deployment.service.engine.check_health()
+    await asyncio.to_thread(gateway.store.ping)
+    return {"status": "ready", "versions": sorted(gateway.deployments.loaded)}
 
 
 @router.get("/metrics", response_class=Response,
