@@ -45,22 +45,12 @@ from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
+from tests.litellm_proxy import LITELLM, litellm_binary  # noqa: E402
 
 MODEL = GatewaySettings.model_fields["served_model_name"].default
-LITELLM = "litellm[proxy]==1.108.7"
-LITELLM_VENV = REPO / "benchmarks" / ".venv-litellm"
 CONCURRENCY = (1, 8, 32)
 MAX_TOKENS = 16
 PROXIES = ("gateway", "litellm", "passthrough")
-
-
-def litellm_binary() -> Path:
-    binary = LITELLM_VENV / "bin" / "litellm"
-    if not binary.exists():
-        print(f"installing {LITELLM} into {LITELLM_VENV} (once)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
-        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM], check=True)
-    return binary
 
 
 def wrk_binary() -> str:

@@ -50,9 +50,10 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
     default = Deployment(artifact.manifest.artifact_version, make_service(engine, artifact), artifact)
     deployments = Deployments(default, artifacts, make_service, monitor, load_version, settings.drain_s,
                               settings.registry_poll_s)
+    in_flight = InFlight(settings.max_in_flight)
+    metrics.in_flight.set_function(lambda: in_flight.count)  # read at scrape time: nothing per request
     return GatewayState(settings, store, prometheus, metrics, monitor, shared, deployments, artifacts, JobQueue(store),
-                        capture, capture_book, KeyRing(store, settings.api_keys_required),
-                        InFlight(settings.max_in_flight))
+                        capture, capture_book, KeyRing(store, settings.api_keys_required), in_flight)
 
 
 def create_app(

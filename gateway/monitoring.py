@@ -35,6 +35,11 @@ class Metrics:
         self.drift_psi = Gauge("calm_drift_psi", "PSI of the live confidence window against the artifact reference", ["domain"], registry=registry)
         self.drift_ks = Gauge("calm_drift_ks", "KS statistic of the live confidence window against the reference", ["domain"], registry=registry)
         self.window = Gauge("calm_drift_window_size", "Answers in the live confidence window", ["domain"], registry=registry)
+        self.reference_confidence = Gauge("calm_reference_confidence_mean", "Mean confidence of the serving version's "
+                                          "reference histogram for the domain (what drift is measured against)",
+                                          ["domain"], registry=registry)
+        self.in_flight = Gauge("calm_requests_in_flight", "Generation requests being served (streams until their last "
+                               "chunk); at CALM_MAX_IN_FLIGHT more are answered 429", registry=registry)
         self.est_accuracy = Gauge("calm_estimated_accuracy", "Mean calibrated confidence over the live window (label-free accuracy estimate)", ["domain"], registry=registry)
         self.feedback = Counter("calm_feedback_total", "Feedback received", ["domain", "correct"], registry=registry)
         self.online_accuracy = Gauge("calm_online_accuracy", "Accuracy from feedback (recent window)", ["domain"], registry=registry)
@@ -48,6 +53,13 @@ class Metrics:
         self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
         self.registry_syncs = Counter("calm_registry_syncs_total", "Registry polls completed (ok) or failed (error): a stalled "
                                       "count means promotions are not reaching this replica", ["outcome"], registry=registry)
+
+
+def reference_mean(ref: ReferenceHistogram) -> float:
+    """The mean confidence a reference histogram describes (bin centres weighted by counts)."""
+    centres = [(lo + hi) / 2 for lo, hi in zip(ref.bin_edges[:-1], ref.bin_edges[1:])]
+    total = sum(ref.counts)
+    return sum(c * n for c, n in zip(centres, ref.counts)) / total if total else float("nan")
 
 
 class DomainMonitor:
@@ -65,6 +77,7 @@ class DomainMonitor:
             ref = references.get(domain, fallback)
             if ref is not None:
                 self._windows[domain] = ConfidenceWindow(ref.bin_edges, ref.counts, window)
+                metrics.reference_confidence.labels(domain).set(reference_mean(ref))
 
     def label(self, domain: str | None) -> str:
         if not domain:
@@ -84,6 +97,7 @@ class DomainMonitor:
         m = self.metrics
         for gauge in (m.drift_psi, m.drift_ks, m.window):
             gauge.labels(domain).set(0)
+        m.reference_confidence.labels(domain).set(reference_mean(ref) if ref is not None else float("nan"))
 
     def reference(self, domain: str) -> tuple[list[float], list[int]] | None:
         ref = self.references.get(domain) or self.references.get("all")

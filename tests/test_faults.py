@@ -63,9 +63,12 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
         proc.wait()
     assert 0 < len(acknowledged) < len(ids), len(acknowledged)
     assert sqlite3.connect(db).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    # Restarted on the same database. Feedback needs no engine: the restart serves an upstream engine that is not
+    # there (nothing is generated), which spares the test a second vLLM start; /v1/models answers once it has started.
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "b.log", env):
+    restart = {**env, "CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["http://127.0.0.1:{free_port()}"]'}
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/v1/models", tmp_path / "b.log", restart):
         for response_id, verdict in acknowledged:  # the same verdict again: "already recorded", never a conflict
             r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
             assert r.status_code == 200 and r.json()["recorded"] is False, (response_id, r.text)

@@ -244,3 +244,33 @@ def test_calm_eval_offline_equals_calm_eval_through_the_gateway(gateway, tmp_pat
     assert _chat_requests(gateway) - before == 2 + 1  # the two missing answers, and the deployment probe
     rerun = np.load(tmp_path / "online" / "probs_medmcqa_dev.npz")
     np.testing.assert_allclose(rerun["probs"], np.load(tmp_path / "offline" / "probs_medmcqa_dev.npz")["probs"], atol=atol)
+
+
+def test_what_reaches_an_openai_client_behind_litellm(gateway, tmp_path):
+    """LiteLLM's proxy (tests/litellm_proxy.py; `hosted_vllm` provider) in front of the shipped gateway, the `openai`
+    client behind it. LiteLLM rebuilds the body, so the `calibration` field does not arrive; the X-Calm-* headers do,
+    as `llm_provider-x-calm-*`, with the gateway's own numbers. With `forward_client_headers_to_llm_api`, a client's
+    X-Calm-Domain header reaches the gateway (LiteLLM keeps `metadata` for itself)."""
+    from tests.litellm_proxy import MASTER_KEY, litellm_proxy
+
+    question = {"messages": [{"role": "user", "content": "Which gas do plants absorb?"}],
+                "extra_body": {"options": ["oxygen", "carbon dioxide", "helium"]}, "temperature": 0.0}
+    direct = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = direct.chat.completions.with_raw_response.create(model=MODEL, **question)
+    expected_answer = expected.parse().choices[0]
+    assert float(expected.headers["x-calm-confidence"]) == calibration(expected_answer)["confidence"]
+    settings = {"general_settings": {"forward_client_headers_to_llm_api": True}}
+    with litellm_proxy(MODEL, f"{gateway}/v1", tmp_path, settings) as proxy:
+        behind = openai.OpenAI(base_url=f"{proxy}/v1", api_key=MASTER_KEY, max_retries=0, timeout=120)
+        plain = behind.chat.completions.with_raw_response.create(model=MODEL, **question)
+        routed = behind.chat.completions.with_raw_response.create(model=MODEL, **question,
+                                                                  extra_headers={"X-Calm-Domain": "science"})
+    answer = plain.parse().choices[0]
+    assert answer.message.content == expected_answer.message.content  # the options reached the gateway
+    assert (answer.model_extra or {}).get("calibration") is None  # the body field is LiteLLM's casualty
+    headers = {k.lower(): v for k, v in plain.headers.items()}
+    assert float(headers["llm_provider-x-calm-confidence"]) == calibration(expected_answer)["confidence"]
+    assert headers["llm_provider-x-calm-abstained"] == "false"
+    assert headers["llm_provider-x-calm-artifact-version"] == expected.headers["x-calm-artifact-version"]
+    assert headers["llm_provider-x-calm-domain"] == "other"
+    assert routed.headers["llm_provider-x-calm-domain"] == "science"

@@ -260,3 +260,57 @@ def test_bad_admin_and_feedback_requests(gateway):
     assert "no response" in error_of(httpx.post(fb, json={"response_id": "chatcmpl-unknown", "correct": True}), 404)["message"]
     assert error_of(httpx.post(fb, json={"response_id": "x", "correct": "yes"}), 400)
     assert error_of(httpx.post(fb, json={"correct": True}), 400)
+
+
+def test_every_dashboard_query_returns_the_gateways_series(gateway, client, shared_data, tmp_path):
+    """A real Prometheus scrapes this gateway after the tests above (answers, feedback, bad requests) and a
+    guaranteed-risk policy with uploaded labels and feedback; every query of every panel of the Grafana dashboard
+    (gateway/dashboard.py) returns series, those of per-domain panels each with a `domain` label."""
+    import shutil
+    import time
+
+    from gateway.dashboard import panels
+    from tests.servers import wait_until
+
+    questions = [q for q in load_mc("medmcqa", "dev", root=shared_data) if q.n_options == 4][:40]
+    # A loose target (the letter head here is near chance) so that the answers sent after the fit are kept.
+    policy = {"target_risk": 0.95, "delta": 0.5, "min_labels": 30, "fallback": "label_free", "action": "annotate"}
+    assert httpx.put(f"{gateway}/admin/policies/medicine", json=policy, headers=ADMIN).status_code == 200
+    labels = [{"question": q.question, "options": list(q.choices), "answer": q.answer} for q in questions[:30]]
+    r = httpx.post(f"{gateway}/admin/labels/medicine", json={"questions": labels}, headers=ADMIN, timeout=300)
+    assert r.status_code == 200, r.text
+    for q in questions[30:]:
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q.question}],
+                                                extra_body={"options": list(q.choices)}, metadata={"domain": "medicine"})
+        httpx.post(f"{gateway}/v1/feedback", json={"response_id": answer.id, "correct": True}).raise_for_status()
+    traffic_ended = time.time()
+
+    port = free_port()
+    (tmp_path / "prometheus.yml").write_text(f"""
+global: {{scrape_interval: 1s}}
+scrape_configs:
+  - job_name: calm-gateway
+    static_configs: [{{targets: ["{gateway.removeprefix('http://')}"]}}]
+""")
+    argv = [shutil.which("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"]
+    prometheus = f"http://127.0.0.1:{port}"
+
+    def query(expr: str) -> list[dict]:
+        return httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}).json()["data"]["result"]
+
+    with running(argv, f"{prometheus}/-/ready", tmp_path / "prom.log", timeout=60):
+        # Rates need two scrapes after the traffic: wait for the second one's sample.
+        wait_until("two scrapes after the traffic", lambda: (s := query("count_over_time(up[1m])")) and
+                   float(s[0]["value"][1]) >= 2 and float(query("timestamp(up)")[0]["value"][1]) > traffic_ended + 1,
+                   120, 0.2)
+        empty = []
+        for spec in panels():
+            for q in spec.queries:
+                expr = q.expr.replace("$domain", ".*").replace("$__rate_interval", "1m")
+                series = query(expr)
+                if not series or (spec.per_domain and not all("domain" in s["metric"] for s in series)):
+                    empty.append((spec.title, expr, series[:2]))
+        assert empty == [], empty
+        versions = query('calm_serving_version_info{domain="medicine"}')
+        assert versions and versions[0]["metric"]["version"]
