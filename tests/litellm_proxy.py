@@ -28,7 +28,9 @@ def litellm_binary() -> Path:
         if not binary.exists():
             print(f"installing {LITELLM} into {LITELLM_VENV} (once)", flush=True)
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(LITELLM_VENV)], check=True)
-            subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM], check=True)
+            # --no-compile: byte-compiling all of LiteLLM took CPU from the tests it overlaps; Python compiles what
+            # the proxy imports when it first starts.
+            subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "--no-compile", LITELLM], check=True)
     return binary
 
 
