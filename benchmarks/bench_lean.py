@@ -45,7 +45,7 @@ from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
-from tests.litellm_proxy import LITELLM, litellm_binary  # noqa: E402
+from tests.litellm_proxy import LITELLM, litellm_proxy  # noqa: E402
 
 MODEL = GatewaySettings.model_fields["served_model_name"].default
 CONCURRENCY = (1, 8, 32)
@@ -72,23 +72,17 @@ class Proxies:
         return ["taskset", "-c", str(self.core), *argv] if self.core is not None else argv
 
     def start(self, tag: str) -> dict[str, str]:
-        gw, lt, pt = free_port(), free_port(), free_port()
+        gw, pt = free_port(), free_port()
         env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([self.upstream]),
                "CALM_DB_PATH": str(self.logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(self.identity)}
         self.stack.enter_context(running(self._pin(calm_argv("serve", "--port", str(gw))),
                                          f"http://127.0.0.1:{gw}/health", self.logs / f"gateway-{tag}.log", env=env))
-        config = self.logs / f"litellm-{tag}.yaml"
-        config.write_text(json.dumps({"model_list": [{"model_name": MODEL, "litellm_params": {
-            "model": f"hosted_vllm/{MODEL}", "api_base": f"{self.upstream}/v1", "api_key": "none"}}],
-            "litellm_settings": {"telemetry": False}}))
-        self.stack.enter_context(running(
-            self._pin([str(litellm_binary()), "--config", str(config), "--port", str(lt), "--num_workers", "1"]),
-            f"http://127.0.0.1:{lt}/health/liveliness", self.logs / f"litellm-{tag}.log",
-            env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": self.key}, timeout=300))
+        litellm = self.stack.enter_context(litellm_proxy(MODEL, f"{self.upstream}/v1", self.logs / f"litellm-{tag}",
+                                                         prefix=self._pin([]), key=self.key))
         self.stack.enter_context(running(
             self._pin([sys.executable, str(REPO / "benchmarks" / "passthrough.py"), str(pt), self.upstream]),
             f"http://127.0.0.1:{pt}/health", self.logs / f"passthrough-{tag}.log"))
-        return {"gateway": f"http://127.0.0.1:{gw}", "litellm": f"http://127.0.0.1:{lt}",
+        return {"gateway": f"http://127.0.0.1:{gw}", "litellm": litellm,
                 "passthrough": f"http://127.0.0.1:{pt}"}
 
 

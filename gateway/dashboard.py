@@ -55,13 +55,20 @@ def drift_threshold() -> float:
     return float(str(expr).split(">")[1].split()[0])
 
 
+def rate(metric: str, by: str = "domain") -> str:
+    return f"sum by ({by}) (rate({metric}{{{DOMAIN}}}[{RATE}]))"
+
+
+def share(part: str, whole: str) -> str:
+    return f"{rate(part)} / {rate(whole)}"
+
+
 def mean_of(histogram: str) -> str:
-    return (f"sum by (domain) (rate({histogram}_sum{{{DOMAIN}}}[{RATE}])) / "
-            f"sum by (domain) (rate({histogram}_count{{{DOMAIN}}}[{RATE}]))")
+    return share(f"{histogram}_sum", f"{histogram}_count")
 
 
 def quantile(q: float) -> str:
-    return f"histogram_quantile({q}, sum by (le, domain) (rate(calm_request_latency_seconds_bucket{{{DOMAIN}}}[{RATE}])))"
+    return f"histogram_quantile({q}, {rate('calm_request_latency_seconds_bucket', 'le, domain')})"
 
 
 def panels() -> list[PanelSpec]:
@@ -81,10 +88,8 @@ def panels() -> list[PanelSpec]:
         PanelSpec(calibration, "Serving version", (
             Query(f"calm_serving_version_info{{{DOMAIN}}}", "{{domain}}: {{version}}"),)),
         PanelSpec(policy, "Abstention rate", (
-            Query(f"sum by (domain) (rate(calm_abstentions_total{{{DOMAIN}}}[{RATE}])) / "
-                  f"sum by (domain) (rate(calm_answers_total{{{DOMAIN}}}[{RATE}]))", "{{domain}} abstained"),
-            Query(f"sum by (domain) (rate(calm_below_threshold_total{{{DOMAIN}}}[{RATE}])) / "
-                  f"sum by (domain) (rate(calm_answers_total{{{DOMAIN}}}[{RATE}]))", "{{domain}} below threshold")),
+            Query(share("calm_abstentions_total", "calm_answers_total"), "{{domain}} abstained"),
+            Query(share("calm_below_threshold_total", "calm_answers_total"), "{{domain}} below threshold")),
             "percentunit"),
         PanelSpec(policy, "Guaranteed risk: threshold and realised selective risk", (
             Query(f"calm_policy_guaranteed_threshold{{{DOMAIN}}}", "{{domain}} threshold"),
@@ -93,10 +98,10 @@ def panels() -> list[PanelSpec]:
             Query(f"calm_policy_guarantee_labels{{{DOMAIN}}}", "{{domain}} labels behind the threshold"),
             Query(f"calm_policy_realised_answers{{{DOMAIN}}}", "{{domain}} answers with feedback since the fit"))),
         PanelSpec(traffic, "Requests", (
-            Query(f"sum by (domain, status) (rate(calm_requests_total{{{DOMAIN}}}[{RATE}]))", "{{domain}} {{status}}"),),
+            Query(rate("calm_requests_total", "domain, status"), "{{domain}} {{status}}"),),
             "reqps"),
         PanelSpec(traffic, "Errors", (
-            Query(f"sum by (domain, type) (rate(calm_errors_total{{{DOMAIN}}}[{RATE}]))", "{{domain}} {{type}}"),),
+            Query(rate("calm_errors_total", "domain, type"), "{{domain}} {{type}}"),),
             "reqps"),
         PanelSpec(traffic, "Latency p50 and p99", (
             Query(quantile(0.5), "{{domain}} p50"), Query(quantile(0.99), "{{domain}} p99")), "s"),

@@ -35,10 +35,13 @@ def litellm_binary() -> Path:
 
 
 @contextmanager
-def litellm_proxy(model: str, api_base: str, work: Path, settings: dict | None = None, prefix: list[str] | None = None):
-    """A LiteLLM proxy serving `model` from the OpenAI-compatible server at `api_base` (ending in /v1); yields its
-    base URL. `settings` are extra top-level config sections (general_settings, litellm_settings)."""
+def litellm_proxy(model: str, api_base: str, work: Path, settings: dict | None = None, prefix: list[str] | None = None,
+                  key: str = MASTER_KEY):
+    """A LiteLLM proxy serving `model` from the OpenAI-compatible server at `api_base` (ending in /v1), its config and
+    log in `work`; yields its base URL. `settings` are extra top-level config sections (general_settings,
+    litellm_settings); `prefix` goes before the command (e.g. taskset), `key` is its master key."""
     port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "litellm.yaml"
     body = {"model_list": [{"model_name": model, "litellm_params": {
         "model": f"hosted_vllm/{model}", "api_base": api_base, "api_key": "none"}}],
@@ -48,7 +51,7 @@ def litellm_proxy(model: str, api_base: str, work: Path, settings: dict | None =
     config.write_text(json.dumps(body))
     argv = [*(prefix or []), str(litellm_binary()), "--config", str(config), "--port", str(port), "--num_workers", "1"]
     with running(argv, f"http://127.0.0.1:{port}/health/liveliness", work / "litellm.log",
-                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": MASTER_KEY}, timeout=300):
+                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_MASTER_KEY": key}, timeout=300):
         yield f"http://127.0.0.1:{port}"
 
 

@@ -16,12 +16,17 @@ from gateway.state import GatewayState
 router = APIRouter()
 
 
+async def check_engines(gateway: GatewayState) -> None:
+    """Every loaded version's engine answers (else EngineUnavailable: 503)."""
+    for deployment in list(gateway.deployments.loaded.values()):
+        await deployment.service.engine.check_health()
+
+
 @router.get("/health", responses=documented(503))
 async def health(gateway: GatewayState = Depends(state)):
     deployments = gateway.deployments
     default = deployments.default.service
-    for deployment in list(deployments.loaded.values()):
-        await deployment.service.engine.check_health()
+    await check_engines(gateway)
     return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
             "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe()}
 
@@ -34,8 +39,7 @@ async def live():
 @router.get("/health/ready", responses=documented(503))
 async def ready(gateway: GatewayState = Depends(state)):
     """Every engine of every serving version answers and the database answers (else 503)."""
-    for deployment in list(gateway.deployments.loaded.values()):
-        await deployment.service.engine.check_health()
+    await check_engines(gateway)
     await asyncio.to_thread(gateway.store.ping)
     return {"status": "ready", "versions": sorted(gateway.deployments.loaded)}
 
