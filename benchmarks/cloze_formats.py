@@ -1,10 +1,11 @@
 """Zero-shot option scoring of the embedded model in two cloze layouts, mean vs summed token log-likelihood.
 
-    python benchmarks/cloze_formats.py [--n 200]
+    python benchmarks/cloze_formats.py [--n 200] [--out benchmarks/results]
 
 chat:  the question as the user's turn under the chat template, the option as the assistant's answer
 plain: "Question: ...\\nAnswer:" followed by " <option>" (what `calm_core.prompts.cloze_prompt` uses)
-Prints accuracy, AUROC and mean confidence per dataset; the same seeded 200 questions for every layout.
+Prints accuracy, ECE-10, AUROC and mean confidence per dataset and their means over the datasets (the same seeded 200
+questions for every layout) and writes them to cloze_formats.md in --out (the README's copy).
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def scores(model, tokenizer, questions, layout: str, width: int) -> dict[str, np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     model, tokenizer = load_hf_model(resolve_model(None).path)
-    print("| dataset | layout | norm | accuracy | AUROC | mean conf. |\n|---|---|---|---|---|---|")
+    lines = ["| dataset | layout | norm | accuracy | ECE-10 | AUROC | mean conf. |", "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines))
+    means: dict[tuple[str, str], list[np.ndarray]] = {}
     for name, split in DATASETS:
         questions = load_mc(name, split)
         rng = np.random.default_rng(0)
@@ -69,8 +73,18 @@ def main() -> None:
         for layout in LAYOUTS:
             for norm, z in scores(model, tokenizer, questions, layout, int(n_options.max())).items():
                 r = calibration_report(option_probs(z, n_options), labels, n_boot=1).as_dict()
-                print(f"| {name} | {layout} | {norm} | {r['accuracy']:.3f} | {r['auroc']:.3f} | {r['mean_confidence']:.3f} |",
-                      flush=True)
+                row = [r["accuracy"], r["ece_10"], r["auroc"], r["mean_confidence"]]
+                means.setdefault((layout, norm), []).append(np.array(row))
+                lines.append(f"| {name} | {layout} | {norm} | " + " | ".join(f"{v:.3f}" for v in row) + " |")
+                print(lines[-1], flush=True)
+    for (layout, norm), rows in means.items():
+        lines.append(f"| **mean of {len(rows)}** | {layout} | {norm} | "
+                     + " | ".join(f"**{v:.3f}**" for v in np.mean(rows, axis=0)) + " |")
+    text = (f"Zero-shot, the embedded model, {args.n} seeded questions per set (`python benchmarks/cloze_formats.py`):"
+            "\n\n" + "\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cloze_formats.md").write_text(text + "\n")
+    print("\n".join(lines[-len(means):]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import re
 
 from prometheus_client import CollectorRegistry
 
-from gateway.dashboard import OUT, build, drift_threshold, panels
+from gateway.dashboard import OUT, REPO, build, drift_threshold, panels
 from gateway.monitoring import Metrics
 
 
@@ -37,3 +37,21 @@ def test_the_drift_panel_draws_the_shipped_alerts_threshold():
     drift = next(p for p in build()["panels"] if p.get("title", "").startswith("Drift (PSI)"))
     steps = drift["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert steps[-1]["value"] == drift_threshold() == 0.25
+
+
+RECORDED = REPO / "benchmarks" / "results" / "dashboard_run.json"
+
+
+def test_the_recorded_run_has_every_panel_of_the_dashboard_with_data():
+    """benchmarks/dashboard_run.py recorded the current panels (rerun it when a panel changes), each with a series."""
+    recorded = json.loads(RECORDED.read_text())
+    assert [(p["row"], p["title"]) for p in recorded["panels"]] == [(s.row, s.title) for s in panels()]
+    empty = [p["title"] for p in recorded["panels"] if not any(len(s["points"]) >= 2 for s in p["series"])]
+    assert empty == []
+
+
+def test_the_png_is_drawn_from_the_recording(tmp_path):
+    from benchmarks.dashboard_run import draw
+
+    draw(json.loads(RECORDED.read_text()), tmp_path / "dashboard.png")
+    assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

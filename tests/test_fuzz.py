@@ -13,13 +13,17 @@ Every schemathesis check runs, schema-valid acceptance included: the document st
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import time
+from datetime import date
 
 import pytest
 
+from tests.recorded import results_dir, write_markdown
 from tests.servers import calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
@@ -37,10 +41,28 @@ def test_fuzzed_requests_get_no_5xx_and_conform_to_the_openapi_document(tmp_path
               # (gh-106905, "AST constructor recursion depth mismatch"), an error of the tool, not of the gateway.
               "--workers", "1", "--seed", "1", "-H", "Authorization: Bearer dev-admin-key",
               "--suppress-health-check", "all", "--request-timeout", "120"]
+        began = time.monotonic()
         done = subprocess.run(st, capture_output=True, text=True, timeout=1800)
+        seconds = time.monotonic() - began
     summary = done.stdout[-6000:]
     print(summary)
     generated = re.search(r"(\d+) generated", done.stdout)
     assert generated and int(generated.group(1)) >= 10 * examples, summary
     assert done.returncode == 0, summary
     assert "Traceback" not in (tmp_path / "gw.log").read_text()  # no request reached an unhandled error
+    operations = re.search(r"Operations:\s+(\d+) selected", done.stdout)
+    record(examples, int(generated.group(1)), int(operations.group(1)) if operations else None, seconds)
+
+
+def record(examples: int, generated: int, operations: int | None, seconds: float) -> None:
+    """One row per examples setting (the CI form and the long form), the newest run of each."""
+    path = results_dir() / "fuzz.json"
+    runs = json.loads(path.read_text()) if path.is_file() else {}
+    runs[str(examples)] = {"generated": generated, "operations": operations, "seconds": round(seconds),
+                           "date": date.today().isoformat()}
+    path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+    lines = ["| examples per operation | operations | requests generated | failing | schemathesis run (s) | date |",
+             "|---:|---:|---:|---:|---:|---|"]
+    for n, run in sorted(runs.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {n} | {run['operations']} | {run['generated']:,} | 0 | {run['seconds']} | {run['date']} |")
+    write_markdown("fuzz", "\n".join(lines))

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from calm_core.data import load_mc, load_open
+from tests.recorded import record_runs, write_markdown
 from tests.servers import REPO, background, calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
@@ -233,8 +234,8 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
                 "promotion_to_serving_s": round(promoted_at - done["finished_at"], 1),
                 "psi_shifted": round(psi_shifted, 3), "psi_after": round(psi_after, 3),
                 "in_domain": done["result"]["in_domain"]}
-    (tmp / "measured.json").write_text(json.dumps(measured, indent=1))
     print("retraining loop:", json.dumps(measured), file=sys.stderr)
+    record_loop_run(measured)
 
     # A candidate that fails its gate is rejected and the promoted version keeps serving.
     loop["worker"].send_signal(signal.SIGTERM)
@@ -253,6 +254,29 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     wait_until("two registry syncs after the rejection", lambda: registry_syncs(gateway) >= syncs + 2, 120, 0.2)
     assert httpx.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
     assert {c["artifact_version"] for c in send(gateway, shifted[:4])} == {candidate}
+
+
+def record_loop_run(measured: dict) -> None:
+    """The README's numbers of the loop: the newest two runs (training differs between runs: the captured prompts
+    arrive in a different order)."""
+    runs = record_runs("retrain_loop", {**measured, "date": datetime.now().strftime("%Y-%m-%d %H:%M")}, keep=2)
+    write_markdown("retrain_loop", loop_runs_table(runs))
+
+
+def loop_runs_table(runs: list[dict]) -> str:
+    lines = ["| run | PSI in domain | PSI shifted | webhook → promoted (s) | promoted → served (s) | PSI after |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for i, run in enumerate(runs, 1):
+        lines.append(f"| {i} ({run['date']}) | {run['psi_in_domain']:.3f} | {run['psi_shifted']:.2f} | "
+                     f"{run['alert_to_promotion_s']:.0f} | {run['promotion_to_serving_s']:.0f} | {run['psi_after']:.3f} |")
+    lines += ["", f"On {runs[-1]['in_domain']['active']['n']:.0f} labelled held-out questions of the shifted traffic:", "",
+              "| version | accuracy | mean confidence | ECE-10 | AUROC | Brier |", "|---|---|---|---|---|---|"]
+    rows = [("shipped (active before)", runs[-1]["in_domain"]["active"])]
+    rows += [(f"retrained for `science`, run {i}", run["in_domain"]["candidate"]) for i, run in enumerate(runs, 1)]
+    for name, m in rows:
+        lines.append(f"| {name} | {m['accuracy']:.3f} | {m['mean_confidence']:.3f} | {m['ece_10']:.3f} | "
+                     f"{m['auroc']:.3f} | {m['brier']:.3f} |")
+    return "\n".join(lines)
 
 
 def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifact(tmp_path, embedded_model_dir, shared_data):

@@ -1,0 +1,102 @@
+"""The README's measured numbers, each copied from the file the command that measured it wrote. Every block between
+`<!-- NAME:start -->` and `<!-- NAME:end -->` in the README is listed in BLOCKS with its source and that command;
+`python scripts/readme_numbers.py` rewrites every block from its source, and tests/test_readme_numbers.py fails when
+a block differs from its source (or a block is not listed).
+
+    CALM_RECORD_RESULTS=1 pytest -s tests/test_retrain_loop.py -k drift_alert   # measure (writes benchmarks/results)
+    python scripts/readme_numbers.py                                           # copy into the README
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+README = REPO / "README.md"
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    command: str  # what measures the numbers and writes `source`
+    source: Path
+    render: Callable[[Path], str] = lambda path: path.read_text().strip()
+
+
+def per_file(path: Path) -> tuple[float, dict[str, float]]:
+    text = path.read_text()
+    total = float(re.search(r"Test time: ([\d.]+) min", text).group(1))
+    rows = re.findall(r"^\| (tests/\S+\.py) \| \d+ \| ([\d.]+) \|", text, re.M)
+    return total, {name: float(seconds) for name, seconds in rows}
+
+
+def times_table(after: Path, top: int = 12) -> str:
+    """Seconds per test file before issue 22 (test-times-before.md) and in the newest fresh-clone run."""
+    before_total, before = per_file(RESULTS / "test-times-before.md")
+    after_total, after_rows = per_file(after)
+    lines = ["| file | before (s) | after (s) |", "|---|---:|---:|"]
+    for name in sorted(before, key=lambda n: -before[n])[:top]:
+        lines.append(f"| {name} | {before[name]:.0f} | {after_rows.get(name, 0.0):.0f} |")
+    lines.append(f"| **all {len(before)} files** | **{before_total * 60:.0f}** | **{after_total * 60:.0f}** |")
+    return "\n".join(lines)
+
+
+def report_body(path: Path) -> str:
+    """A `calm report` markdown file under a README section: its title line dropped, its sections two levels down."""
+    lines = path.read_text().strip().splitlines()[1:]
+    return "\n".join("##" + line if line.startswith("## ") else line for line in lines).strip()
+
+
+BLOCKS = [
+    Block("test-runs", "bash scripts/fresh_clone_test.sh 1", RESULTS / "test-runs.md"),
+    Block("test-times", "bash scripts/fresh_clone_test.sh 1", RESULTS / "test-times.md", times_table),
+    Block("slow-machine", "bash scripts/slow_machine_test.sh", RESULTS / "slow-machine.md"),
+    Block("conformance", "pytest tests/test_openai_conformance.py", REPO / "reports" / "conformance.md"),
+    Block("fuzz", "CALM_RECORD_RESULTS=1 CALM_FUZZ_EXAMPLES=150 pytest tests/test_fuzz.py (then without the "
+          "examples variable)", RESULTS / "fuzz.md"),
+    Block("bf16", "CALM_RECORD_RESULTS=1 pytest tests/test_bf16_budget.py", RESULTS / "bf16_budget.md"),
+    Block("lean", "python benchmarks/bench_lean.py --out benchmarks/results --profile", RESULTS / "lean.md"),
+    Block("retrain-loop", "CALM_RECORD_RESULTS=1 pytest tests/test_retrain_loop.py -k drift_alert",
+          RESULTS / "retrain_loop.md"),
+    Block("recalibration", "python benchmarks/bench_recalibration.py", RESULTS / "recalibration.md"),
+    Block("cloze-formats", "python benchmarks/cloze_formats.py", RESULTS / "cloze_formats.md"),
+    Block("calm-report", "calm report --out reports/calm", REPO / "reports" / "calm" / "report.md", report_body),
+    Block("open-ended-report", "calm report --task open-ended --out reports/open-ended",
+          REPO / "reports" / "open-ended" / "report.md", report_body),
+    Block("dashboard", "python benchmarks/dashboard_run.py", RESULTS / "dashboard.md"),
+]
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def block_names(readme: str) -> list[str]:
+    return re.findall(r"<!-- ([\w-]+):start -->", readme)
+
+
+def read_block(readme: str, name: str) -> str:
+    start, end = markers(name)
+    return readme.split(start + "\n", 1)[1].split("\n" + end, 1)[0]
+
+
+def fill(readme: str, block: Block) -> str:
+    start, end = markers(block.name)
+    body = block.render(block.source)
+    return re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", readme, flags=re.S)
+
+
+def main() -> None:
+    readme = README.read_text()
+    for block in BLOCKS:
+        if block.name in block_names(readme) and block.source.is_file():
+            readme = fill(readme, block)
+    README.write_text(readme)
+
+
+if __name__ == "__main__":
+    main()

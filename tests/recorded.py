@@ -1,0 +1,36 @@
+"""Where a test writes the numbers it measured. `CALM_RECORD_RESULTS=1 pytest -s tests/...` is the command that updates
+the README's numbers: it writes into benchmarks/results/, and `python scripts/readme_numbers.py` copies them into the
+README (tests/test_readme_numbers.py checks the copy). Any other run writes into $CALM_HOME/results/, so a CI run
+leaves the committed measurements alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def results_dir() -> Path:
+    if os.environ.get("CALM_RECORD_RESULTS") == "1":
+        return RESULTS
+    path = Path(os.environ.get("CALM_HOME", REPO / ".calm")) / "results"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_runs(name: str, run: dict, keep: int) -> list[dict]:
+    """Append one run's measurements to `<name>.json` (the newest `keep` runs are kept) and return the kept runs."""
+    path = results_dir() / f"{name}.json"
+    runs = json.loads(path.read_text()) if path.is_file() else []
+    runs = [*runs, run][-keep:]
+    path.write_text(json.dumps(runs, indent=1) + "\n")
+    return runs
+
+
+def write_markdown(name: str, text: str) -> Path:
+    path = results_dir() / f"{name}.md"
+    path.write_text(text.strip() + "\n")
+    return path
