@@ -538,11 +538,15 @@ def jobs_show(job_id: str):
 
 @jobs_app.command("create")
 @one_line_errors
-def jobs_create(domain: str):
+def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
+        help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
     """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
     from calm_core.jobs import JobQueue
+    from training.retrain_labelled import METHODS
 
-    job, created = JobQueue(_store()).enqueue(domain, "operator", {"by": "cli"})
+    if method is not None and method not in METHODS:
+        raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
+    job, created = JobQueue(_store()).enqueue(domain, "operator", {"by": "cli", **({"method": method} if method else {})})
     typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
 
 

@@ -63,3 +63,57 @@ def test_a_recalibrated_version_is_a_new_version_with_the_parents_parts_and_its_
     assert child.manifest.recalibration == lineage and child.manifest.head_sha256 == parent.head_sha256
     assert ServedArtifact.of(child).post_hoc.option_temperature == 0.6  # what the gateway's scorers divide by
     assert load_artifact(tmp_path / "parent").manifest.option_temperature == 1.0  # the parent is untouched
+
+
+def test_a_job_picks_the_labelled_map_by_the_labels_a_domain_has():
+    from calm_core.errors import CalmError
+    from training.retrain_labelled import job_method
+
+    assert job_method("auto", 99, 100, "science") == "label_free"
+    assert job_method("auto", 100, 100, "science") == "labelled"
+    assert job_method("label_free", 500, 100, "science") == "label_free"  # an operator may ask for CALM anyway
+    with pytest.raises(CalmError, match="POST /admin/labels/science"):
+        job_method("labelled", 20, 100, "science")
+    with pytest.raises(CalmError, match="method"):
+        job_method("isotonic", 500, 100, "science")
+
+
+@pytest.mark.slow
+def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_other_domains_keep_theirs(
+        tmp_path, embedded_model_dir, shared_data):
+    """ARC-Easy, where the shipped version is under-confident, as a domain with 150 uploaded labels: the worker fits
+    the labelled map (no training), its held-out check is the gate, and the candidate raises confidence (T < 1)."""
+    from calm_core.artifact import load_artifact
+    from calm_core.capture import Capture
+    from calm_core.data import load_mc
+    from calm_core.db import Database
+    from calm_core.jobs import JobQueue
+    from calm_core.paths import BUNDLED_DIR
+    from calm_core.registry import Registry
+    from training.retrain import Worker, load_loop_config
+
+    db = Database(tmp_path / "gw.sqlite3")
+    registry = Registry(db, tmp_path / "registry")
+    default = registry.ensure_default(BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct")
+    labels = load_mc("arc_easy", "test", root=shared_data)[:150]
+    Capture(db).add_labelled("science", [(q.question, list(q.choices), q.answer) for q in labels])
+    (tmp_path / "loop.toml").write_text(f'runs_dir = "{tmp_path / "jobs"}"\n')
+    worker = Worker(load_loop_config(tmp_path / "loop.toml"), db, tmp_path / "registry")
+    too_few, _ = JobQueue(db).enqueue("medicine", "operator", {"method": "labelled"})
+    job, _ = JobQueue(db).enqueue("science", "alert")
+    assert worker.run(once=True) == 2
+
+    failed = JobQueue(db).get(too_few.id)
+    assert failed.status == "failed" and "0 labelled questions" in failed.log[-1]
+    done = JobQueue(db).get(job.id)
+    assert done.status == "promoted", done.log
+    result = done.result
+    assert result["method"] == "labelled" and result["labels"] == 150 and result["check"]["passed"]
+    assert result["in_domain"]["candidate"]["ece_10"] < result["in_domain"]["active"]["ece_10"]
+    assert result["in_domain"]["candidate"]["accuracy"] == result["in_domain"]["active"]["accuracy"]
+    record = registry.get(done.candidate)
+    assert record.parent == default and record.trigger == "alert" and record.status == "active"
+    assert registry.serving("science") == done.candidate and registry.serving("medicine") == default
+    manifest = load_artifact(registry.path_of(done.candidate)).manifest
+    assert manifest.option_temperature < 1.0  # under-confident: the map sharpens
+    assert manifest.recalibration.parent == default and manifest.reference_histograms["science"]

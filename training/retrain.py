@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +49,7 @@ from calm_core.toml_config import dump_toml, load_toml_model
 from training.artifact_scoring import load_served_model, option_probabilities
 from training.artifacts import reference_histogram
 from training.config import load_config
+from training.retrain_labelled import job_method, labelled_result, recalibrate_for_job
 from training.scoring import load_tokenizer
 from training.trainer import Trainer
 
@@ -67,6 +69,10 @@ class LoopConfig(BaseModel):
     ece_tolerance: float = 0.0  # candidate ECE <= active's + this, on the domain's uploaded labels (when enough)
     min_feedback_labels: int = Field(50, ge=1)
     auto_promote_label_free: bool = False  # without enough labels: promote anyway (else the operator decides)
+    # auto: the labelled map (training/retrain_labelled.py) where the domain has `min_recalibration_labels` uploaded
+    # labelled questions, else label-free CALM; a job may ask for either (POST /admin/jobs {"method": ...}).
+    method: Literal["auto", "label_free", "labelled"] = "auto"
+    min_recalibration_labels: int = Field(100, ge=10)
     # Continue from the version serving the domain (its adapter and head) rather than from the base model: a retrain
     # adjusts what serves to the domain's traffic in a few steps instead of relearning it. Needs the training config's
     # LoRA shape to be the parent's.
@@ -268,13 +274,12 @@ class Worker:
             return self._decide(job, record.version, record.metrics, beat)
         parent = self.registry.serving(domain)
         prompts = self.capture.prompts(domain)
-        calibration = captured_questions(prompts, domain)[-self.cfg.max_prompts:]
-        if len(calibration) < self.cfg.min_prompts:
-            raise CalmError(f"{len(calibration)} captured multiple-choice prompts in domain {domain!r}; the job needs "
-                            f"{self.cfg.min_prompts} (enable capture: PUT /admin/capture/{domain})")
-        calib_file = job_dir / "calibration.jsonl"
-        if not calib_file.is_file():  # a resumed job keeps the prompts it started with
-            write_questions(calib_file, calibration)
+        labelled = labelled_questions(prompts, domain)
+        method = job_method(job.detail.get("method", self.cfg.method), len(labelled), self.cfg.min_recalibration_labels,
+                            domain)
+        if method == "labelled":
+            return self._recalibrate(job, job_dir, parent, labelled, prompts, beat)
+        calib_file = self._calibration_file(domain, prompts, job_dir)
         calibration = load_mc_file(calib_file)
         split_path = job_split(self.cfg, train_cfg.split, domain, calib_file, job_dir / "split.toml")
         start = str(self.registry.path_of(parent)) if parent and self.cfg.warm_start else None
@@ -287,7 +292,6 @@ class Worker:
         tests = materialize(load_split(split_path)).role("test_in_domain")
 
         parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
-        labelled = labelled_questions(prompts, domain)
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
         # One load of the candidate's weights for everything it is scored on (attaching the free-form mode below
         # leaves its adapter and head as they are), one of the active version's.
@@ -319,6 +323,34 @@ class Worker:
         record = self.registry.add(candidate_dir, trigger=trigger, domain=domain, parent=parent, job_id=job.id,
                                    calibration_sha256=prompts_sha256([p for p in prompts if p.kind == "multiple_choice"]),
                                    metrics=result)
+        self.queue.set_candidate(job.id, record.version)
+        return self._decide(job, record.version, result, beat)
+
+    def _calibration_file(self, domain: str, prompts: list[CapturedPrompt], job_dir: Path) -> Path:
+        """The domain's newest captured multiple-choice prompts, the label-free job's calibration set."""
+        calibration = captured_questions(prompts, domain)[-self.cfg.max_prompts:]
+        if len(calibration) < self.cfg.min_prompts:
+            raise CalmError(f"{len(calibration)} captured multiple-choice prompts in domain {domain!r}; the job needs "
+                            f"{self.cfg.min_prompts} (enable capture: PUT /admin/capture/{domain})")
+        calib_file = job_dir / "calibration.jsonl"
+        if not calib_file.is_file():  # a resumed job keeps the prompts it started with
+            write_questions(calib_file, calibration)
+        return calib_file
+
+    def _recalibrate(self, job: Job, job_dir: Path, parent: str | None, labelled: list[MCQuestion],
+                     prompts: list[CapturedPrompt], beat: Heartbeat) -> Job:
+        if parent is None:
+            raise CalmError(f"domain {job.domain!r} has no serving version to recalibrate")
+        beat.note(f"parent {parent}; fitting the labelled map on {len(labelled)} labelled questions", "judging")
+        labels_file = write_questions(job_dir / "labels.jsonl", labelled)
+        summary = recalibrate_for_job(self.registry.path_of(parent), labels_file, job.domain, job_dir / "candidate")
+        result = labelled_result(summary, parent, labelled)
+        if "version" not in summary:  # the held-out check failed: nothing to register
+            return self.queue.finish(job.id, "rejected", result=result, line=f"rejected: {summary['reason']}")
+        trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"
+        record = self.registry.add(job_dir / "candidate", trigger=trigger, domain=job.domain, parent=parent,
+                                   job_id=job.id, metrics=result,
+                                   calibration_sha256=prompts_sha256([p for p in prompts if p.kind == "labelled"]))
         self.queue.set_candidate(job.id, record.version)
         return self._decide(job, record.version, result, beat)
 

@@ -39,6 +39,8 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     domain: Annotated[str, StringConstraints(strict=True, pattern=DOMAIN_NAME)]
+    # auto: the labelled map where the domain has enough uploaded labels, else label-free CALM (the loop config's rule)
+    method: Literal["auto", "label_free", "labelled"] | None = None
 
 
 class Promotion(BaseModel):

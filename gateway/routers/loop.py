@@ -98,7 +98,8 @@ async def show_job(job_id: Annotated[str, FastAPIPath(pattern=r"^[0-9a-f]{1,32}$
 @router.post("/admin/jobs", responses=documented(400, 401, 403, 404), status_code=201)
 async def create_job(body: JobCreate, gateway: GatewayState = Depends(state)):
     domain = serving_domain(gateway, body.domain)
-    job, created = await asyncio.to_thread(gateway.jobs.enqueue, domain, "operator", {"by": "admin"})
+    detail = {"by": "admin", **({"method": body.method} if body.method else {})}
+    job, created = await asyncio.to_thread(gateway.jobs.enqueue, domain, "operator", detail)
     return {**job.as_dict(), "created": created}
 
 
