@@ -35,7 +35,7 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, keep_existing=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
     return target
@@ -67,7 +67,7 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
             model.config.get_text_config().tie_word_embeddings = False
         model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         model.lm_head.weight = torch.nn.Parameter(weight)
-    with atomic_dir(target) as tmp:
+    with atomic_dir(target, keep_existing=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
     return target

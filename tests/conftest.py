@@ -105,6 +105,21 @@ def database(request, tmp_path):
     yield url
 
 
+# -- order: the slowest files first -----------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """Files in the order of their seconds in the published run (benchmarks/results/test-times.md), slowest first,
+    tests within a file as written. With two pytest-xdist workers (scripts/test.sh) the longest files then start at
+    once instead of one of them starting last while the other worker idles; every worker sorts alike."""
+    published = REPO / "benchmarks" / "results" / "test-times.md"
+    if not published.is_file():
+        return
+    import re
+
+    seconds = {name: float(s) for name, s in re.findall(r"^\| (tests/\S+\.py) \| \d+ \| ([\d.]+) \|",
+                                                         published.read_text(), re.M)}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+
+
 # -- where the time goes: per file and per test, printed at the end of every run ---------------------------------------
 _SECONDS: dict[str, float] = {}
 

@@ -32,10 +32,10 @@ def free_port() -> int:
     binds it only after its start-up (a gateway: after its engines, a minute later), while vLLM's engines, ZMQ and
     gloo take ephemeral ports meanwhile: one of them took a test's port once (Prometheus: "address already in use").
     Below the range the kernel never hands a port out by itself; each port is given once per process."""
-    low = _ephemeral_low()
+    low, high = _worker_ports(10000, _ephemeral_low())
     rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(10000, low)
+        port = rng.randrange(low, high)
         if port in _GIVEN:
             continue
         with socket.socket() as s:
@@ -45,7 +45,16 @@ def free_port() -> int:
                 continue
         _GIVEN.add(port)
         return port
-    raise RuntimeError(f"no free port in 10000-{low}")
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
+def _worker_ports(low: int, high: int) -> tuple[int, int]:
+    """Under pytest-xdist each worker draws from its own share of the range: a port checked free by one worker could
+    otherwise be taken by a server the other starts before this one binds it."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", "gw0"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker.removeprefix("gw")) if worker.removeprefix("gw").isdigit() else 0
+    width = (high - low) // max(count, 1)
+    return low + index * width, low + (index + 1) * width
 
 
 def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0):

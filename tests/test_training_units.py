@@ -148,3 +148,21 @@ def test_option_scores_are_mean_calibrated_token_log_likelihoods():
 
     served = cloze_scores([[float(logp[0, 0]), float(logp[1, 1])], [float(logp[2, 2])]])
     np.testing.assert_allclose(got[0, :2].double().numpy(), served, rtol=1e-6)
+
+
+def test_atomic_dir_replaces_a_folder_or_keeps_a_cache_another_process_wrote(tmp_path):
+    from calm_core.atomic import atomic_dir
+
+    target = tmp_path / "folder"
+    with atomic_dir(target) as tmp:
+        (tmp / "f").write_text("first")
+    with atomic_dir(target) as tmp:
+        (tmp / "f").write_text("second")
+    assert (target / "f").read_text() == "second"
+    with atomic_dir(target, keep_existing=True) as tmp:  # a merge cache: the copy already there may be in use
+        (tmp / "f").write_text("third")
+    assert (target / "f").read_text() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+    with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+        (tmp / "f").write_text("broken")
+        raise RuntimeError
+    assert (target / "f").read_text() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
