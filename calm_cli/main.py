@@ -235,9 +235,10 @@ def eval_cmd(
     if answer_format not in (None, "letter", "cloze"):
         raise CalmError(f"--answer-format must be letter or cloze, not {answer_format!r}")
     specs = tuple(DatasetSpec.parse(n) for n in names)
-    if any(s.open_ended for s in specs):
-        if not all(s.open_ended for s in specs) or gateway or answer_format:
-            raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone, offline: no --gateway or --answer-format")
+    if any(s.open_ended for s in specs) and (not all(s.open_ended for s in specs) or answer_format):
+        raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone (not with multiple-choice sets), "
+                        "without --answer-format")
+    if any(s.open_ended for s in specs) and not gateway:
         from adapters.inprocess import artifact_engine
         from training.free_form_eval import run_free_form_eval
 
@@ -252,7 +253,7 @@ def eval_cmd(
 
         summary = run_gateway_eval(GatewayEvalConfig(url=gateway, datasets=specs, api_key=api_key, model=model,
                                                      limit=limit or None, seed=seed, concurrency=concurrency,
-                                                     out_dir=str(out)))
+                                                     out_dir=str(out), samples=samples if specs[0].open_ended else 0))
     else:
         from training.evaluate import EvalConfig, run_eval
 

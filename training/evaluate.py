@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pydantic import ValidationError
 
-from calm_core.data import OPEN_DATASETS, MCQuestion, default_split, load_mc, load_mc_file, load_open
+from calm_core.data import OPEN_DATASETS, MCQuestion, default_split, load_mc, load_mc_file, load_open, load_open_file
 from calm_core.errors import ConfigError, DataError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
@@ -54,6 +54,9 @@ class DatasetSpec:
 
     @property
     def open_ended(self) -> bool:
+        """A known open-ended dataset, or a JSONL file whose first question has no options (`answers` aliases)."""
+        if self.split == "file":
+            return _file_is_open_ended(self.name)
         return self.name in OPEN_DATASETS
 
     @property
@@ -66,7 +69,7 @@ class DatasetSpec:
         if self.split == "file":
             if not Path(self.name).is_file():
                 raise DataError(f"data file not found: {self.name}")
-            return load_mc_file(self.name)
+            return load_open_file(self.name) if self.open_ended else load_mc_file(self.name)
         if self.fraction is not None:
             try:
                 return select(SourceSpec(dataset=self.name, split=self.split, fraction=self.fraction), seed=0)
@@ -75,6 +78,15 @@ class DatasetSpec:
         if self.open_ended:
             return load_open(self.name, self.split)
         return load_mc(self.name, self.split)
+
+
+def _file_is_open_ended(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = json.loads(next((line for line in f if line.strip()), "{}"))
+    except (OSError, ValueError):
+        return False  # load() says what is wrong with the file
+    return isinstance(first, dict) and "choices" not in first and "answers" in first
 
 
 @dataclass(frozen=True)

@@ -175,20 +175,29 @@ def run_free_form_eval(engines: EngineFactory, specs, artifact: str | None, mode
             head_dir, version = Path(tmp, "identity"), None
             write_identity_artifact(head_dir, model, with_reference=False)
         per_set = evaluate_sets(engines, resolved.path, head_dir, sets, samples)
+    summary = {"model": resolved.id, "artifact": version, "answer_format": "generative", "samples": samples,
+               "limit": limit, "seed": seed}
+    return write_free_form_report(out, per_set, summary)
+
+
+def write_free_form_report(out: Path, per_set: dict[str, list[FreeFormRecord]], summary: dict) -> dict:
+    """report.json, report.md, reliability.png and answers_<set>.jsonl of free-form records (offline or through a
+    gateway: the same report); `summary` names the model, artifact and settings."""
     out.mkdir(parents=True, exist_ok=True)
+    model, version, samples = summary["model"], summary["artifact"], summary["samples"]
     results, panels = {}, {}
     for label, recs in per_set.items():
         results[label] = free_form_metrics(recs)
         panels[label] = (np.array([r.token_confidence for r in recs]), np.array([r.correct for r in recs], dtype=float))
         (out / f"answers_{label.replace(':', '_').replace('@', '_')}.jsonl").write_text(
             "".join(json.dumps(asdict(r)) + "\n" for r in recs))
-    summary = {"model": resolved.id, "artifact": version, "answer_format": "generative", "samples": samples,
-               "limit": limit, "seed": seed, "results": results}
-    reliability_diagram(panels, out / "reliability.png", title=resolved.id + (f" + {version}" if version else ""))
+    summary = {**summary, "results": results}
+    reliability_diagram(panels, out / "reliability.png", title=model + (f" + {version}" if version else ""))
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     cols = ("n", "accuracy", "mean_confidence", "ece_10", "brier", "auroc", "aurc", "sem_same_answer",
             "sem_mean_confidence", "sem_ece_10", "sem_auroc", "mean_tokens")
-    lines = [f"# Free-form evaluation: {resolved.id}" + (f" + free-form mode `{version}`" if version else " (no α head)"),
+    lines = [f"# Free-form evaluation: {model}" + (f" + free-form mode `{version}`" if version else " (no α head)")
+             + (f", {summary['scored_by']}" if summary.get("scored_by") else ""),
              "", f"Greedy answers as served (token confidence); semantic confidence of the same answers from {samples} "
              "answers sampled without the head (sem_same_answer: the share of semantic answers equal to the greedy "
              "one).", "",

@@ -6,22 +6,30 @@ option probabilities come from the response's `calibration.options`. Requests ru
 answer is appended to `answers_<set>.jsonl` in the report folder as it arrives, so an interrupted run resumes where
 it stopped (answers are keyed by question id and by the gateway's model and artifact version: a run against another
 deployment starts over).
+
+Open-ended sets (TriviaQA, PopQA, or a JSONL with `answers` aliases) are asked without options: the greedy answer of
+the serving version's free-form mode, its token confidence (and, with `samples`, a second request for semantic
+confidence), correctness by the offline evaluation's alias match, and the offline free-form report.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from calm_core.data import MCQuestion
+from calm_core.answers import is_correct
+from calm_core.data import MCQuestion, OpenQuestion, serving_domain
 from calm_core.errors import CalmError
-from training.evaluate import DatasetSpec, question_sets, write_report
+from training.evaluate import DatasetSpec, question_sets, sample_questions, write_report
+from training.free_form_eval import MAX_TOKENS, FreeFormRecord, write_free_form_report
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class GatewayEvalConfig:
     timeout_s: float = 300.0
     out_dir: str = "reports/eval-gateway"
     n_boot: int = 200
+    samples: int = 0  # open-ended sets: answers sampled per question for semantic confidence (0: token only)
 
 
 def _client(cfg: GatewayEvalConfig):
@@ -59,7 +68,43 @@ def ask(client, model: str, q: MCQuestion) -> dict:
             "artifact_version": calibration["artifact_version"]}
 
 
-def _load_partial(path: Path, deployment: str) -> dict[str, list[float]]:
+def ask_open(client, model: str, q: OpenQuestion, samples: int) -> dict:
+    """One open-ended question through the gateway: the greedy answer with its token confidence (and the calibrated
+    token log-probs, for the sequence probability); with `samples`, the semantic confidence of the same question."""
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": q.question}], temperature=0, max_tokens=MAX_TOKENS,
+        logprobs=True, extra_body={"calm": {"confidence": "token", "raw_confidence": False}})
+    choice = r.choices[0]
+    calibration = (choice.model_extra or {}).get("calibration") or {}
+    if calibration.get("mode") != "free_form":
+        raise CalmError(f"the gateway did not answer question {q.id!r} in free form")
+    log_probs = [t.logprob for t in (choice.logprobs.content or [])] if choice.logprobs else []
+    row = {"id": q.id, "text": choice.message.content, "token_confidence": calibration["confidence"],
+           "sequence_probability": math.exp(sum(log_probs)), "n_tokens": r.usage.completion_tokens,
+           "artifact_version": calibration["artifact_version"]}
+    if samples:
+        s = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": q.question}], temperature=0, max_tokens=MAX_TOKENS,
+            extra_body={"calm": {"confidence": "semantic", "samples": samples, "raw_confidence": True}})
+        sem = s.choices[0].model_extra["calibration"]
+        row.update(semantic_text=s.choices[0].message.content, semantic_confidence=sem["confidence"],
+                   semantic_agreeing=round((sem["raw_confidence"] or 0.0) * samples),
+                   cluster_sizes=[c["size"] for c in sem.get("clusters") or []])
+    return row
+
+
+def open_record(q: OpenQuestion, row: dict) -> FreeFormRecord:
+    """The offline evaluation's record of a gateway answer (correctness by the same alias match)."""
+    record = FreeFormRecord(q.id, serving_domain(q), row["text"], is_correct(row["text"], q.answers, q.question),
+                            row["token_confidence"], row["sequence_probability"], row["n_tokens"])
+    if row.get("semantic_text") is not None:
+        record.semantic_text, record.semantic_confidence = row["semantic_text"], row["semantic_confidence"]
+        record.semantic_agreeing, record.cluster_sizes = row["semantic_agreeing"], row["cluster_sizes"]
+        record.semantic_correct = is_correct(row["semantic_text"], q.answers, q.question)
+    return record
+
+
+def _load_partial(path: Path, deployment: str) -> dict[str, dict]:
     done = {}
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -68,47 +113,68 @@ def _load_partial(path: Path, deployment: str) -> dict[str, list[float]]:
             except json.JSONDecodeError:
                 continue  # a line cut by an interruption
             if row.get("deployment") == deployment:
-                done[row["id"]] = row["probs"]
+                done[row["id"]] = row
     return done
+
+
+def _answer_all(cfg: GatewayEvalConfig, sets: dict[str, list], ask_one, deployment: str, log_prefix: str,
+                show_progress: bool) -> dict[str, dict[str, dict]]:
+    """Every question's answer row per set, `cfg.concurrency` in flight, each appended to <log_prefix>_<set>.jsonl as
+    it arrives; rows already there for this deployment are not asked again."""
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    answers, lock = {}, threading.Lock()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  disable=not show_progress, transient=True) as bar, \
+            ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
+        for label, questions in sets.items():
+            path = out / f"{log_prefix}_{label.replace(':', '_').replace('@', '_')}.jsonl"
+            done = _load_partial(path, deployment)
+            todo = [q for q in questions if q.id not in done]
+            task = bar.add_task(label, total=len(questions), completed=len(questions) - len(todo))
+            with path.open("a") as log:
+                for future in as_completed([pool.submit(ask_one, q) for q in todo]):
+                    row = {**future.result(), "deployment": deployment}
+                    with lock:
+                        log.write(json.dumps(row) + "\n")
+                        log.flush()
+                    done[row["id"]] = row
+                    bar.advance(task)
+            answers[label] = done
+    return answers
 
 
 def run_gateway_eval(cfg: GatewayEvalConfig, show_progress: bool = True) -> dict:
     import openai
 
-    sets = question_sets(cfg.datasets, cfg.limit, cfg.seed)
+    open_ended = all(s.open_ended for s in cfg.datasets)
+    sets = ({s.label: sample_questions(s.load(), cfg.limit, cfg.seed) for s in cfg.datasets} if open_ended
+            else question_sets(cfg.datasets, cfg.limit, cfg.seed))
     client = _client(cfg)
     try:
         model = cfg.model or client.models.list().data[0].id
-        probe = ask(client, model, next(iter(sets.values()))[0])
+        first = next(iter(sets.values()))[0]
+        ask_one = (partial(ask_open, client, model, samples=cfg.samples) if open_ended else partial(ask, client, model))
+        probe = ask_one(first)
     except openai.APIConnectionError as e:
         raise CalmError(f"cannot reach the gateway at {cfg.url}: {e}") from None
     except openai.APIStatusError as e:
         raise CalmError(f"the gateway at {cfg.url} answered {e.status_code}: {e.message}") from None
-    deployment = f"{model}|{probe['artifact_version']}"
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    probs: dict[str, np.ndarray] = {}
-    lock = threading.Lock()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  disable=not show_progress, transient=True) as bar, \
-            ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
-        for label, questions in sets.items():
-            path = out / f"answers_{label.replace(':', '_')}.jsonl"
-            done = _load_partial(path, deployment)
-            todo = [q for q in questions if q.id not in done]
-            task = bar.add_task(label, total=len(questions), completed=len(questions) - len(todo))
-            with path.open("a") as log:
-                futures = [pool.submit(ask, client, model, q) for q in todo]
-                for future in as_completed(futures):
-                    answer = future.result()
-                    with lock:
-                        log.write(json.dumps({**answer, "deployment": deployment}) + "\n")
-                        log.flush()
-                    done[answer["id"]] = answer["probs"]
-                    bar.advance(task)
-            width = max(q.n_options for q in questions)
-            probs[label] = np.array([done[q.id] + [0.0] * (width - len(done[q.id])) for q in questions])
+    deployment = f"{model}|{probe['artifact_version']}|samples={cfg.samples if open_ended else 0}"
+    # Open-ended: the report writes its records to answers_<set>.jsonl; the gateway's rows are kept beside them.
+    answers = _answer_all(cfg, sets, ask_one, deployment, "gateway_answers" if open_ended else "answers", show_progress)
+    scored_by = f"through the gateway at {cfg.url}"
+    if open_ended:
+        per_set = {label: [open_record(q, answers[label][q.id]) for q in qs] for label, qs in sets.items()}
+        return write_free_form_report(Path(cfg.out_dir), per_set, {
+            "model": model, "artifact": probe["artifact_version"], "answer_format": "generative",
+            "samples": cfg.samples, "limit": cfg.limit, "seed": cfg.seed, "scored_by": scored_by})
+    probs = {}
+    for label, questions in sets.items():
+        width = max(q.n_options for q in questions)
+        rows = answers[label]
+        probs[label] = np.array([rows[q.id]["probs"] + [0.0] * (width - len(rows[q.id]["probs"])) for q in questions])
     source = {"model": model, "model_weights_sha256": None, "artifact": probe["artifact_version"],
-              "answer_format": "the gateway's", "scored_by": f"through the gateway at {cfg.url}"}
+              "answer_format": "the gateway's", "scored_by": scored_by}
     config = {**asdict(cfg), "datasets": [s.label for s in cfg.datasets], "api_key": None}
-    return write_report(out, source, config, sets, probs, cfg.n_boot, cfg.seed)
+    return write_report(Path(cfg.out_dir), source, config, sets, probs, cfg.n_boot, cfg.seed)
