@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from adapters.merged_weights import merged_model_dir
-from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig
+from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
 from calm_core.artifact import load_artifact, read_manifest
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from calm_core.startup import stage
@@ -106,6 +106,8 @@ class InProcessVLLMEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        register_registry_root(self.config.registry_root)  # requests name versions there (validated in this process)
+
         paths = self._weights()
         builds = {}
         for weights, path in paths.items():
@@ -195,7 +197,7 @@ class InProcessVLLMEngine:
     def _head_args(self, request: EngineRequest) -> dict | None:
         if not request.calibrated:
             return {OPT_OUT_KEY: False}
-        return {HEAD_ARG_KEY: os.path.abspath(self.config.artifact_path)} if self._on_multi_lora(request) else None
+        return {HEAD_ARG_KEY: self.config.version_name} if self._on_multi_lora(request) else None
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         engine = self._engine_for(request)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 
@@ -11,11 +14,48 @@ from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 ARTIFACT_ENV = "CALM_ARTIFACT"
 ARTIFACT_CONFIG_KEY = "calm_artifact"  # in vLLM's additional_config: the head of one engine
 OPT_OUT_KEY = "calm_alpha"
-HEAD_ARG_KEY = "calm_head"  # in a request's extra_args: apply this artifact's head instead of the engine's
+HEAD_ARG_KEY = "calm_head"  # in a request's extra_args: apply this artifact version's head instead of the engine's
+# Where versions named by `calm_head` are looked up: the registry's folder (a shared volume on a fleet). The engine
+# reads $CALM_REGISTRY_DIR, or `calm_registry` in its additional_config; a request names a version, never a path.
+REGISTRY_ENV = "CALM_REGISTRY_DIR"
+REGISTRY_CONFIG_KEY = "calm_registry"
+VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # an artifact version: no separators, no `..`
+# Also installed as vLLM's plugin (entry point group `vllm.logits_processors`, pyproject.toml): a stock `vllm serve`
+# in this environment loads it without --logits-processors.
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
 ADAPTER_NAME = "calm-adapter"  # the artifact's LoRA adapter as the vLLM server names it (a model name over HTTP)
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 MAX_LORAS = 4  # adapters resident at once in a multi-LoRA engine (more versions: vLLM swaps them in per batch)
+
+
+# Registry folders this process knows (the in-process engines register theirs), beside $CALM_REGISTRY_DIR: request
+# validation runs in the front-end process, which has the engine's environment but not its additional_config.
+_ROOTS: set[Path] = set()
+
+
+def register_registry_root(path: str | Path) -> None:
+    _ROOTS.add(Path(path).resolve())
+
+
+def _roots(extra: dict | None = None) -> list[Path]:
+    roots = set(_ROOTS)
+    for root in ((extra or {}).get(REGISTRY_CONFIG_KEY), os.environ.get(REGISTRY_ENV)):
+        if root:
+            roots.add(Path(root).resolve())
+    return sorted(roots)
+
+
+def resolve_version(name: object, extra: dict | None = None) -> Path:
+    """The folder of an artifact version named by a request, inside a registry folder; ValueError otherwise."""
+    if not isinstance(name, str) or not re.fullmatch(VERSION_NAME, name):
+        raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}] must be an artifact version name (letters, digits, '.', '_', "
+                         f"'-'), not a path")
+    for root in _roots(extra):
+        folder = root / name
+        if folder.is_dir() and folder.resolve().parent == root:
+            return folder
+    raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: no artifact version {name!r} in this engine's registry "
+                     f"(${REGISTRY_ENV})")
 
 
 @dataclass(frozen=True)
@@ -35,6 +75,15 @@ class EngineConfig:
     # (in-process: an engine of its own, since a logits processor holds one head per engine).
     free_form_model_path: str | None = None
     free_form_artifact_path: str | None = None
+
+    @property
+    def registry_root(self) -> str:
+        """The folder the artifact's version sits in: where a multi-LoRA engine looks up versions by name."""
+        return os.path.dirname(os.path.abspath(self.artifact_path))
+
+    @property
+    def version_name(self) -> str:
+        return os.path.basename(os.path.abspath(self.artifact_path))
 
     @property
     def max_lora_rank(self) -> int:
@@ -61,15 +110,19 @@ class EngineConfig:
             logprobs_mode="processed_logprobs",
             logits_processors=[LOGITS_PROCESSOR],
             seed=self.seed,
-            additional_config={ARTIFACT_CONFIG_KEY: os.path.abspath(artifact_path or self.artifact_path)},
+            # Versions named per request (multi-LoRA) sit beside this one in the registry folder.
+            additional_config={ARTIFACT_CONFIG_KEY: os.path.abspath(artifact_path or self.artifact_path),
+                               REGISTRY_CONFIG_KEY: self.registry_root},
             **self.engine.vllm_kwargs(),
         )
         if lora:  # one multi-LoRA engine for every version in this process: rank up to 64 (or this adapter's)
             kwargs.update(enable_lora=True, max_lora_rank=max(self.max_lora_rank, 64), max_loras=MAX_LORAS)
         return kwargs
 
-    def server_args(self, host: str, port: int, alpha: bool = True) -> list[str]:
-        """vLLM server flags; alpha=False leaves the logits processor out (benchmarks compare the two)."""
+    def server_args(self, host: str, port: int) -> list[str]:
+        """Stock `vllm serve` flags: the α head comes from the plugin entry point, configured by --additional-config
+        (what a platform that starts vLLM itself passes too; README "Engines")."""
+        additional = {ARTIFACT_CONFIG_KEY: os.path.abspath(self.artifact_path), REGISTRY_CONFIG_KEY: self.registry_root}
         args = [
             "--model", self.model_path,
             "--served-model-name", self.served_model_name,
@@ -77,6 +130,7 @@ class EngineConfig:
             "--max-model-len", str(self.max_model_len),
             "--max-logprobs", str(self.max_logprobs),
             "--logprobs-mode", "processed_logprobs",
+            "--additional-config", json.dumps(additional),
             "--seed", str(self.seed),
             "--host", host,
             "--port", str(port),
@@ -84,4 +138,4 @@ class EngineConfig:
         if self.adapter_path:
             args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "1",
                      "--lora-modules", f"{ADAPTER_NAME}={os.path.abspath(self.adapter_path)}"]
-        return args + (["--logits-processors", LOGITS_PROCESSOR] if alpha else [])
+        return args

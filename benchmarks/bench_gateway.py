@@ -113,8 +113,9 @@ def main() -> None:
 
     def engine(alpha: bool, port: int):
         argv, env = engine_server_command(settings, "127.0.0.1", port)
-        if not alpha:
-            argv = argv[: argv.index("--logits-processors")] if "--logits-processors" in argv else argv
+        if not alpha:  # no artifact configured: the α-head plugin changes nothing
+            i = argv.index("--additional-config")
+            argv, env = argv[:i] + argv[i + 2:], {k: v for k, v in env.items() if k != "CALM_ARTIFACT"}
         return running(argv, f"http://127.0.0.1:{port}/health", logs / f"engine-{'alpha' if alpha else 'plain'}.log",
                        env=env, timeout=300)
 

@@ -125,11 +125,15 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
     """argv and environment for a vLLM OpenAI server with the α-head logits processor configured."""
     import sys
 
+    from adapters.vllm_common import REGISTRY_ENV
+
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
     _, artifact = load_checked(model, artifact_path)  # refuse a mismatch before a 30-second engine start
     cfg = engine_config(settings, model, artifact_path, artifact)
     env = {**os.environ, **cfg.env()}
+    # Versions named per request are checked in vLLM's API process, which sees the environment (not additional_config).
+    env[REGISTRY_ENV] = os.environ.get(REGISTRY_ENV) or cfg.registry_root
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cfg.server_args(host, port)], env

@@ -74,6 +74,17 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
 
+        # The engine is a stock vLLM server with the α-head plugin: a request may name a version of the registry by
+        # name (here the engine's own), never a path.
+        def direct(head: str) -> httpx.Response:
+            return httpx.post(f"{engine_url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "The sky is", "max_tokens": 1, "vllm_xargs": {"calm_head": head}})
+
+        assert direct(shipped_artifact.path.name).status_code == 200
+        for bad in ("/etc", f"../{shipped_artifact.path.name}", "no-such-version"):
+            refused = direct(bad)
+            assert refused.status_code == 400 and "calm_head" in refused.text, (bad, refused.text)
+
         # Fault: the engine is killed under load. Requests in flight and new ones get a 503 (none hangs), and
         # service resumes by itself once the engine is back on its port. Each step waits for the event it needs
         # (answers acknowledged, the port refusing, answers after it), never for a fixed time: a busy machine can take

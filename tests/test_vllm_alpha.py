@@ -66,24 +66,46 @@ def test_http_style_opt_out_values_and_validation(processor):
         AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_alpha": "maybe"}))
 
 
-def test_missing_or_mismatched_artifact_is_refused(tmp_path, monkeypatch):
+def test_without_an_artifact_the_plugin_changes_nothing(tmp_path, monkeypatch):
+    """Installed as a vLLM plugin, the processor is built for every engine in the environment: one with no CALM
+    artifact configured gets its logits back unchanged."""
     monkeypatch.delenv("CALM_ARTIFACT", raising=False)
-    with pytest.raises(ValueError, match="needs \\$CALM_ARTIFACT"):
-        AlphaHeadLogitsProcessor(None, torch.device("cpu"), False)
+    proc = AlphaHeadLogitsProcessor(None, torch.device("cpu"), False)
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[(0, params(), None, []),
+                                                                            (1, params(False), None, [])]))
+    logits = torch.randn(2, V)
+    torch.testing.assert_close(proc.apply(logits.clone()), logits)
 
 
-def test_requests_may_name_another_artifacts_head_and_keep_it_through_moves(processor, tmp_path):
+def test_built_twice_for_one_engine_the_second_instance_stands_aside(tmp_path, monkeypatch):
+    """The plugin entry point and an explicit --logits-processors both name the class: vLLM builds two instances for
+    the same engine config, and the head must be applied once."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(2)
+    head = AlphaHead(np.exp(rng.normal(size=V) * 0.5), rng.normal(size=V))
+    save_artifact(tmp_path / "a", head, base_model=BaseModelRef(id="t", weights_sha256="w"),
+                  tokenizer=TokenizerRef(sha256="t", vocab_size=V), method="test")
+    config = SimpleNamespace(additional_config={"calm_artifact": str(tmp_path / "a")},
+                             model_config=SimpleNamespace(get_vocab_size=lambda: V))
+    first, second = (AlphaHeadLogitsProcessor(config, torch.device("cpu"), False) for _ in range(2))
+    assert first.active and not second.active and second.is_argmax_invariant()
+    logits = torch.randn(3, V)
+    out = second.apply(first.apply(logits.clone()))
+    torch.testing.assert_close(out, logits * torch.tensor(head.scale) + torch.tensor(head.shift))
+
+
+def test_requests_may_name_another_artifacts_head_and_keep_it_through_moves(processor, tmp_path, monkeypatch):
     """One engine, several artifact versions: each request's row gets the head it names, the engine's own head, or
     none, and keeps it when vLLM moves rows around."""
     proc, head = processor
+    monkeypatch.setenv("CALM_REGISTRY_DIR", str(tmp_path))
     rng = np.random.default_rng(1)
     other = AlphaHead(np.exp(rng.normal(size=V) * 0.5), rng.normal(size=V))
     save_artifact(tmp_path / "b", other, base_model=BaseModelRef(id="t", weights_sha256="w"),
                   tokenizer=TokenizerRef(sha256="t", vocab_size=V), method="test")
-    named = SamplingParams(extra_args={"calm_head": str(tmp_path / "b")})
+    named = SamplingParams(extra_args={"calm_head": "b"})  # a version in the registry folder, by name
     AlphaHeadLogitsProcessor.validate_params(named)
-    with pytest.raises(ValueError, match="calm_head"):
-        AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_head": str(tmp_path / "nope")}))
 
     def check3(kinds):
         logits = torch.randn(len(kinds), V)
@@ -100,3 +122,28 @@ def test_requests_may_name_another_artifacts_head_and_keep_it_through_moves(proc
     check3(["raw", "own", "other"])
     proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     check3(["other", "own"])
+
+
+@pytest.mark.parametrize("name", ["/etc", "../a", "a/../b", "", ".hidden", "b/", 7, "x" * 200, "nope"])
+def test_a_request_names_a_version_in_the_registry_never_a_path(tmp_path, monkeypatch, name):
+    """Whoever reaches an engine can name a head, so a name is resolved only inside the registry folder."""
+    save_artifact(tmp_path / "registry" / "b", AlphaHead(np.ones(V), np.zeros(V)), method="test",
+                  base_model=BaseModelRef(id="t", weights_sha256="w"), tokenizer=TokenizerRef(sha256="t", vocab_size=V))
+    monkeypatch.setenv("CALM_REGISTRY_DIR", str(tmp_path / "registry"))
+    AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_head": "b"}))
+    with pytest.raises(ValueError, match="calm_head"):
+        AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_head": name}))
+
+
+def test_a_version_whose_head_does_not_match_its_hash_is_refused(tmp_path, monkeypatch):
+    from calm_core.artifact import load_artifact
+
+    save_artifact(tmp_path / "c", AlphaHead(np.ones(V), np.zeros(V)), method="test",
+                  base_model=BaseModelRef(id="t", weights_sha256="w"), tokenizer=TokenizerRef(sha256="t", vocab_size=V))
+    head_file = tmp_path / "c" / "alpha_head.safetensors"
+    head_file.write_bytes(head_file.read_bytes()[:-4] + b"\0\0\0\1")
+    with pytest.raises(Exception):
+        load_artifact(tmp_path / "c")
+    monkeypatch.setenv("CALM_REGISTRY_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="does not load"):
+        AlphaHeadLogitsProcessor.validate_params(SamplingParams(extra_args={"calm_head": "c"}))
