@@ -154,21 +154,29 @@ def artifact_fit_semantic(
 @one_line_errors
 def artifact_recalibrate(
     artifact: Annotated[Path, typer.Option(help="the version serving the domain now (its folder)")],
-    labels: Annotated[str, typer.Option(help="labelled multiple-choice questions of the domain: name[:split][@range] or .jsonl")],
+    labels: Annotated[str, typer.Option(help="labelled questions of the domain: name[:split][@range] or .jsonl; "
+                                              "open-ended ones (answers aliases) recalibrate the free-form mode")],
     domain: Annotated[str, typer.Option(help="the domain the new version is for (its reference histogram)")],
     out: Annotated[Path, typer.Option(help="folder of the new version")],
     limit: Annotated[int, typer.Option(help="questions (0 = all)")] = 0,
     held_out: Annotated[float, typer.Option(help="share of the labels kept to check the fit")] = 1 / 3,
     seed: Annotated[int, typer.Option(help="seed of the question sample and the split")] = 0,
 ):
-    """Fit a temperature on the version's option scores to a domain's labels (seconds, no training) and, if it passes
-    its held-out check (ECE falls, AUROC does not), write it as a new version (register and promote it with `calm
-    artifacts`)."""
+    """Fit a temperature on the version's option scores (multiple-choice labels) or on its free-form answers' token
+    log-probs (open-ended labels) to a domain's labels (no training) and, if it passes its held-out check (ECE falls,
+    AUROC does not), write it as a new version (register and promote it with `calm artifacts`)."""
     from training.evaluate import DatasetSpec
-    from training.recalibrate import RecalibrateConfig, run_recalibrate
+    from training.recalibrate import RecalibrateConfig, run_recalibrate, run_recalibrate_free_form
 
-    s = run_recalibrate(RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None,
-                                          held_out, seed))
+    cfg = RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None, held_out, seed)
+    if cfg.labels.open_ended:
+        from adapters.inprocess import artifact_engine
+
+        s = run_recalibrate_free_form(cfg, artifact_engine)
+        typer.echo(f"{out}: {s['version']} (free-form token temperature {s['token_temperature']:.3f}, parent "
+                   f"{s['parent']}); {s['reason']}")
+        return
+    s = run_recalibrate(cfg)
     typer.echo(f"{out}: {s['version']} (option temperature {s['option_temperature']:.3f}, parent {s['parent']}); "
                f"{s['reason']}")
 

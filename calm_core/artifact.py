@@ -99,6 +99,8 @@ class ArtifactManifest(BaseModel):
     # Multiple-choice option scores are divided by this before their softmax: 1 unless the version was recalibrated on
     # a domain's labels (`recalibration` says from which parent, on what, and its held-out check).
     option_temperature: float = Field(default=1.0, gt=0)
+    # A free-form mode's token confidence c is served as c ** (1 / token_temperature): 1 unless recalibrated on labels.
+    token_temperature: float = Field(default=1.0, gt=0)
     recalibration: Recalibration | None = None
 
 

@@ -79,6 +79,36 @@ def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], tempe
                         auroc(conf_b, correct), auroc(conf_a, correct), float(conf_b.mean()), float(conf_a.mean()))
 
 
+def powered(confidence: float | np.ndarray, temperature: float) -> float | np.ndarray:
+    """A free-form answer's token confidence c (exp of its mean token log-prob) as c ** (1 / T): the mean log-prob
+    divided by T. Monotone, so the ranking of answers (AUROC) and the answers themselves never change."""
+    if temperature == 1.0:
+        return confidence
+    return np.clip(confidence, 1e-300, 1.0) ** (1.0 / temperature)
+
+
+def fit_confidence_temperature(confidence: Sequence[float], correct: Sequence[bool]) -> float:
+    """The T in [0.05, 20] minimising the Bernoulli negative log-likelihood of c ** (1 / T) on labelled answers (the
+    free-form counterpart of `fit_temperature`: one number, both directions)."""
+    conf, y = np.asarray(confidence, dtype=np.float64), np.asarray(correct, dtype=np.float64)
+    if len(conf) == 0 or len(conf) != len(y):
+        raise ValueError("need one verdict per answer, at least one")
+
+    def nll(log_t: float) -> float:
+        p = np.clip(powered(conf, float(np.exp(log_t))), 1e-12, 1 - 1e-12)
+        return -float(np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
+
+    return float(np.exp(minimize_scalar(nll, bounds=(np.log(0.05), np.log(20.0)), method="bounded").x))
+
+
+def check_held_out_confidence(confidence: Sequence[float], correct: Sequence[bool], temperature: float) -> HeldOutCheck:
+    conf_b = np.asarray(confidence, dtype=np.float64)
+    conf_a, correct = np.asarray(powered(conf_b, temperature)), np.asarray(correct, dtype=bool)
+    return HeldOutCheck(len(correct), temperature, float(correct.mean()),
+                        binned_calibration_error(conf_b, correct), binned_calibration_error(conf_a, correct),
+                        auroc(conf_b, correct), auroc(conf_a, correct), float(conf_b.mean()), float(conf_a.mean()))
+
+
 def split_fit_held_out(n: int, held_out: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices of the fitting and held-out parts of n labels (a seeded shuffle; at least one in each)."""
     if n < 2:

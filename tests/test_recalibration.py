@@ -65,6 +65,20 @@ def test_a_recalibrated_version_is_a_new_version_with_the_parents_parts_and_its_
     assert load_artifact(tmp_path / "parent").manifest.option_temperature == 1.0  # the parent is untouched
 
 
+def test_the_free_form_fit_recovers_the_power_that_generated_the_verdicts_and_keeps_the_ranking():
+    from calm_core.recalibration import check_held_out_confidence, fit_confidence_temperature, powered
+
+    rng = np.random.default_rng(3)
+    conf = rng.beta(1, 4, size=4000)  # token confidences: mostly low, as free-form answers of a small model
+    for truth in (0.4, 2.5):  # under- and over-confident
+        correct = rng.random(4000) < powered(conf, truth)
+        t = fit_confidence_temperature(conf, correct)
+        assert t == pytest.approx(truth, rel=0.2)
+        check = check_held_out_confidence(conf, correct, t)
+        assert check.passed and check.ece_after < check.ece_before and check.auroc_after == check.auroc_before
+        assert not check_held_out_confidence(conf, correct, 1 / truth).passed  # the wrong direction makes it worse
+
+
 def test_a_job_picks_the_labelled_map_by_the_labels_a_domain_has():
     from calm_core.errors import CalmError
     from training.retrain_labelled import job_method
@@ -117,3 +131,32 @@ def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_
     manifest = load_artifact(registry.path_of(done.candidate)).manifest
     assert manifest.option_temperature < 1.0  # under-confident: the map sharpens
     assert manifest.recalibration.parent == default and manifest.reference_histograms["science"]
+
+
+@pytest.mark.slow
+def test_recalibrate_on_open_ended_labels_fits_the_free_form_modes_token_temperature(tmp_path, embedded_model_dir,
+                                                                                     shipped_artifact):
+    """A version whose free-form confidence was made over-confident (c ** (1 / 3)) and 90 TriviaQA labels: `calm
+    artifact recalibrate` generates the greedy answers as served (vLLM), fits the token temperature back towards 1,
+    passes the held-out check and writes a version whose multiple-choice part is the parent's."""
+    import json
+    import subprocess
+    import sys
+
+    from calm_core.artifact import FREE_FORM_DIR, derive_version, load_artifact, update_manifest
+
+    skewed = derive_version(shipped_artifact.path, tmp_path / "skewed", "test")
+    update_manifest(tmp_path / "skewed" / FREE_FORM_DIR, token_temperature=3.0)
+    done = subprocess.run([sys.executable, "-m", "calm_cli", "artifact", "recalibrate", "--artifact",
+                           str(tmp_path / "skewed"), "--labels", "triviaqa:sample@0.5-0.7", "--limit", "90",
+                           "--domain", "trivia", "--out", str(tmp_path / "new")], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads((tmp_path / "new" / "recalibration.json").read_text())
+    check = summary["check"]
+    assert check["passed"] and check["ece_after"] < check["ece_before"] and check["auroc_after"] == check["auroc_before"]
+    new = load_artifact(tmp_path / "new")
+    assert new.free_form.manifest.token_temperature < 1.5  # back towards the mode as trained (1)
+    assert new.free_form.manifest.reference_histograms["trivia"]
+    assert new.manifest.recalibration.parent == skewed.artifact_version
+    assert new.manifest.option_temperature == 1.0 and new.manifest.head_sha256 == shipped_artifact.manifest.head_sha256

@@ -151,6 +151,21 @@ def test_token_scorer_is_the_geometric_mean_probability_with_raw_from_prompt_log
                ).choices[0].raw_confidence is None and len(without.requests) == 1
 
 
+def test_a_recalibrated_free_form_modes_temperature_divides_the_mean_log_prob_and_leaves_raw_and_the_answer_alone():
+    def answer(request):
+        if request.prompt_logprobs:
+            return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
+        return [EngineDelta(text="Paris", token_ids=[5, 6], token_logprobs=[-0.1, -0.3],
+                            top_logprobs=[{5: -0.1}, {6: -0.3}], prompt_tokens=4, finish_reason="stop")]
+
+    job = ScoringJob(free_job().prompt, free_job().request, with_raw=True)
+    for temperature in (0.5, 2.0):
+        scorer = TokenScorer(Scripted(answer, prompt_logprobs=True), _tiny_tokenizer(), PostHoc(token_temperature=temperature))
+        (choice,) = run(scorer, job).choices
+        assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp(-0.2 / temperature))
+        assert choice.raw_confidence == pytest.approx(math.exp(-0.5))  # the raw model's number is not remapped
+
+
 def test_semantic_scorer_keeps_the_token_answer_and_measures_agreement_on_raw_samples():
     samples = ["Paris", "It is Paris.", "London", "paris"]
 

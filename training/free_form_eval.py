@@ -60,9 +60,11 @@ class FreeFormRecord:
 
 async def answer_questions(engine: EngineClient, tokenizer, questions: list[OpenQuestion], samples: int,
                            max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = (),
-                           semantic_calibration: SemanticCalibration | None = None) -> list[FreeFormRecord]:
+                           semantic_calibration: SemanticCalibration | None = None,
+                           token_temperature: float = 1.0) -> list[FreeFormRecord]:
     """Greedy answers first (all questions at once: the engine batches them), then the sampled ones."""
-    token, semantic = TokenScorer(engine, tokenizer), SemanticScorer(engine, tokenizer, PostHoc(semantic=semantic_calibration))
+    post_hoc = PostHoc(semantic=semantic_calibration, token_temperature=token_temperature)
+    token, semantic = TokenScorer(engine, tokenizer, post_hoc), SemanticScorer(engine, tokenizer, post_hoc)
 
     def job(i: int, q: OpenQuestion, **changes) -> ScoringJob:
         prompt = PreparedPrompt(free_form_prompt(tokenizer, q.question), None)
@@ -96,11 +98,12 @@ def evaluate_served(engines: EngineFactory, base_model: str | Path, artifact_dir
     """Records for the questions on an engine serving the artifact (its adapter merged into `base_model`) with its α
     head; the questions whose ids are in `greedy_only` get no sampled answers (no semantic confidence)."""
     tokenizer = load_tokenizer(str(base_model))
-    semantic = load_artifact(artifact_dir).manifest.semantic
+    manifest = load_artifact(artifact_dir).manifest
 
     async def run() -> list[FreeFormRecord]:
         async with engines(str(base_model), str(artifact_dir)) as engine:
-            return await answer_questions(engine, tokenizer, questions, samples, max_tokens, greedy_only, semantic)
+            return await answer_questions(engine, tokenizer, questions, samples, max_tokens, greedy_only,
+                                          manifest.semantic, manifest.token_temperature)
 
     return asyncio.run(run())
 

@@ -1,5 +1,7 @@
 """`calm artifact recalibrate`: a new version whose multiple-choice confidence is fitted to a domain's labels, in
-seconds, without training (calm_core/recalibration.py says why a temperature on the option scores).
+seconds, without training (calm_core/recalibration.py says why a temperature on the option scores). On open-ended
+labels (questions with `answers` aliases) the same for the free-form mode: a temperature on the answer's token
+log-probs (its token confidence c served as c ** (1 / T)), the greedy answers generated as the gateway serves them.
 
 The labelled questions are scored as the version serves them (offline engine, the gateway's scorers); a seeded part
 fits the temperature, the rest checks it (ECE must fall, AUROC must not); only a temperature that passes becomes a
@@ -15,13 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_core.artifact import Recalibration, derive_version
+from calm_core.artifact import FREE_FORM_DIR, Recalibration, derive_version, update_manifest
+from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
 from calm_core.models import resolve_model
-from calm_core.recalibration import check_held_out, fit_temperature, split_fit_held_out, tempered
+from calm_core.recalibration import (check_held_out, check_held_out_confidence, fit_confidence_temperature,
+                                     fit_temperature, powered, split_fit_held_out, tempered)
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
 from training.artifacts import reference_histogram
 from training.evaluate import DatasetSpec, sample_questions
+from training.free_form_eval import evaluate_served
 from training.scoring import load_tokenizer
 
 
@@ -49,17 +54,22 @@ def served_log_probs(cfg: RecalibrateConfig) -> tuple[list[np.ndarray], np.ndarr
     return log_probs, np.array([q.answer for q in questions]), parent
 
 
+def checked_summary(cfg: RecalibrateConfig, parent: str, n_fit: int, check, raise_on_failure: bool) -> dict:
+    """The fit's summary; a failed held-out check writes no version (an error, unless the caller reports it)."""
+    if not check.passed and raise_on_failure:
+        raise CalmError(f"no version written: {check.reason}")
+    return {"parent": parent, "labels": cfg.labels.label, "domain": cfg.domain, "n_fit": n_fit,
+            "check": {**asdict(check), "passed": check.passed}, "reason": check.reason}
+
+
 def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True) -> dict:
     """Fit, check and (when the check passes) write the version; the summary has `version` only if one was written."""
     log_probs, labels, parent = served_log_probs(cfg)
     fit, held = split_fit_held_out(len(labels), cfg.held_out, cfg.seed)
     t = fit_temperature([log_probs[i] for i in fit], labels[fit])
     check = check_held_out([log_probs[i] for i in held], labels[held], t)
-    summary = {"parent": parent.manifest.artifact_version, "labels": cfg.labels.label, "domain": cfg.domain,
-               "n_fit": len(fit), "check": {**asdict(check), "passed": check.passed}, "reason": check.reason}
+    summary = checked_summary(cfg, parent.manifest.artifact_version, len(fit), check, raise_on_failure)
     if not check.passed:
-        if raise_on_failure:
-            raise CalmError(f"no version written: {check.reason}")
         return summary
     served = np.array([p.max() for p in tempered(log_probs, t)])
     numbers = {k: float(v) for k, v in asdict(check).items()}
@@ -72,5 +82,39 @@ def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True) -> di
                                                     cfg.domain: reference_histogram(served).model_dump()})
     summary["version"] = manifest.artifact_version
     summary["option_temperature"] = manifest.option_temperature
+    Path(cfg.out, "recalibration.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def run_recalibrate_free_form(cfg: RecalibrateConfig, engines: EngineFactory, raise_on_failure: bool = True) -> dict:
+    """The free-form mode's token confidence fitted to open-ended labels (alias answers): greedy answers and their
+    token confidence as the version serves them (vLLM, `engines`), T fitted on a seeded part, checked on the rest;
+    a version that passes keeps everything of its parent but the mode's token temperature and the domain's reference."""
+    resolved = resolve_model(None)
+    parent = load_verified_artifact(cfg.artifact, resolved.path, load_tokenizer(resolved.path))
+    mode = parent.free_form
+    if mode is None:
+        raise CalmError(f"{cfg.artifact} has no free-form mode to recalibrate")
+    questions = sample_questions(cfg.labels.load(), cfg.limit, cfg.seed)
+    records = evaluate_served(engines, resolved.path, mode.path, questions, samples=0)
+    conf = np.array([r.token_confidence for r in records])
+    correct = np.array([r.correct for r in records])
+    fit, held = split_fit_held_out(len(records), cfg.held_out, cfg.seed)
+    t = fit_confidence_temperature(conf[fit], correct[fit])
+    check = check_held_out_confidence(conf[held], correct[held], t)
+    summary = checked_summary(cfg, parent.manifest.artifact_version, len(fit), check, raise_on_failure)
+    if not check.passed:
+        return summary
+    numbers = {k: float(v) for k, v in asdict(check).items()}
+    temperature = mode.manifest.token_temperature * t
+    lineage = Recalibration(parent=parent.manifest.artifact_version, domain=cfg.domain, temperature=temperature,
+                            fitted_on=f"{len(fit)} labels of {cfg.labels.label} (free-form token confidence)",
+                            held_out=numbers)
+    manifest = derive_version(parent.path, cfg.out, "recalibrated", recalibration=lineage.model_dump(),
+                              metrics={**parent.manifest.metrics, f"held_out/{cfg.labels.label}": numbers})
+    served = np.asarray(powered(conf, t))
+    update_manifest(Path(cfg.out) / FREE_FORM_DIR, token_temperature=temperature, reference_histograms={
+        **mode.manifest.reference_histograms, cfg.domain: reference_histogram(served)})
+    summary.update(version=manifest.artifact_version, token_temperature=temperature)
     Path(cfg.out, "recalibration.json").write_text(json.dumps(summary, indent=2))
     return summary

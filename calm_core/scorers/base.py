@@ -42,11 +42,13 @@ class ScoringPath(str, Enum):
 
 @dataclass(frozen=True)
 class PostHoc:
-    """What a version applies to its numbers after the α head: a temperature on multiple-choice option scores
-    (labelled recalibration, calm_core/recalibration.py) and its free-form mode's semantic-confidence map."""
+    """What a version applies to its numbers after the α head: a temperature on multiple-choice option scores and one
+    on its free-form mode's token confidence (labelled recalibration, calm_core/recalibration.py), and that mode's
+    semantic-confidence map."""
 
     option_temperature: float = 1.0
     semantic: SemanticCalibration | None = None
+    token_temperature: float = 1.0  # free-form token confidence c served as c ** (1 / T) (labelled recalibration)
 
 
 @dataclass(frozen=True)

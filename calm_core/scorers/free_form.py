@@ -14,6 +14,7 @@ from typing import ClassVar
 from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
 from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
 from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
+from calm_core.recalibration import powered
 from calm_core.scoring import sequence_confidence, topk_entropy
 from calm_core.semantic import SemanticCalibration
 
@@ -29,6 +30,7 @@ class TokenScorer:
     def __init__(self, engine: EngineClient, tokenizer, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.token_temperature = post_hoc.token_temperature
 
     async def score(self, job: ScoringJob) -> Scoring:
         return await self.read(job, await generate_choices(self.engine, job.request))
@@ -39,7 +41,7 @@ class TokenScorer:
             raws = await asyncio.gather(*(self.raw_confidence(o, job.request, i) for i, o in enumerate(outs)))
         else:
             raws = [None] * len(outs)
-        choices = [ScoredChoice(o.text, o.finish_reason, sequence_confidence(o.token_logprobs), raw,
+        choices = [ScoredChoice(o.text, o.finish_reason, float(powered(sequence_confidence(o.token_logprobs), self.token_temperature)), raw,
                                 topk_entropy(o.top_logprobs), len(o.token_ids), output=o) for o, raw in zip(outs, raws)]
         return Scoring(self.path, self.kind, choices, outs[0].prompt_tokens)
 
