@@ -631,3 +631,23 @@ def test_the_prompt_token_bound_is_never_below_the_token_count(embedded_model_di
     for text in texts:
         prompt = render_chat(tokenizer, [{"role": "user", "content": text}])
         assert prompt_token_bound(prompt) >= len(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_blank_text_is_what_the_schemas_nonblank_pattern_refuses():
+    """The OpenAPI document says `pattern: \\S`; a text the pattern accepts must not be refused as blank by the
+    handler (schemathesis found U+001D, which Python's str.strip() removes but the schema's regex engines keep)."""
+    from typing import Annotated
+
+    from pydantic import StringConstraints, TypeAdapter, ValidationError
+
+    from gateway.protocol.common import NONBLANK, blank
+
+    pattern = TypeAdapter(Annotated[str, StringConstraints(pattern=NONBLANK)])
+    for code in [*range(0x3100), 0xFEFF]:
+        text = chr(code) * 2
+        try:
+            pattern.validate_python(text)
+            accepted = True
+        except ValidationError:
+            accepted = False
+        assert blank(text) != accepted, hex(code)

@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
-from gateway.protocol.common import NONBLANK, StrictInt
+from gateway.protocol.common import NONBLANK, StrictInt, blank
 
 MAX_CHOICES = 16  # n; each choice is a full generation
 MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
@@ -163,7 +163,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("messages")
     @classmethod
     def _has_user_text(cls, messages):
-        if not any(m.role == "user" and m.text().strip() for m in messages):
+        if not any(m.role == "user" and not blank(m.text()) for m in messages):
             raise ValueError("messages must contain at least one non-empty user message")
         return messages
 
@@ -175,7 +175,7 @@ class ChatCompletionRequest(SamplingFields):
 
     def question_text(self) -> str:
         """The question asked: the last user message (what traffic capture keeps)."""
-        return next(m.text() for m in reversed(self.messages) if m.role == "user" and m.text().strip())
+        return next(m.text() for m in reversed(self.messages) if m.role == "user" and not blank(m.text()))
 
 
 class CompletionRequest(SamplingFields):
@@ -194,7 +194,7 @@ class CompletionRequest(SamplingFields):
             if len(prompt) != 1:
                 raise ValueError("exactly one prompt per request is supported")
             prompt = prompt[0]
-        if not prompt.strip():
+        if blank(prompt):
             raise ValueError("prompt must not be empty")
         return prompt
 
