@@ -71,10 +71,14 @@ class HeldOutCheck:
 
 def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], temperature: float) -> HeldOutCheck:
     before, after = tempered(log_probs, 1.0), tempered(log_probs, temperature)
-    labels = np.asarray(labels)
     conf_b, conf_a = np.array([p.max() for p in before]), np.array([p.max() for p in after])
-    correct = np.array([int(np.argmax(p)) for p in before]) == labels
-    return HeldOutCheck(len(labels), temperature, float(correct.mean()),
+    correct = np.array([int(np.argmax(p)) for p in before]) == np.asarray(labels)
+    return _held_out(conf_b, conf_a, correct, temperature)
+
+
+def _held_out(conf_b: np.ndarray, conf_a: np.ndarray, correct: np.ndarray, temperature: float) -> HeldOutCheck:
+    """The numbers of a map judged on held-out labels: confidences before and after it, and the verdicts."""
+    return HeldOutCheck(len(correct), temperature, float(correct.mean()),
                         binned_calibration_error(conf_b, correct), binned_calibration_error(conf_a, correct),
                         auroc(conf_b, correct), auroc(conf_a, correct), float(conf_b.mean()), float(conf_a.mean()))
 
@@ -103,10 +107,7 @@ def fit_confidence_temperature(confidence: Sequence[float], correct: Sequence[bo
 
 def check_held_out_confidence(confidence: Sequence[float], correct: Sequence[bool], temperature: float) -> HeldOutCheck:
     conf_b = np.asarray(confidence, dtype=np.float64)
-    conf_a, correct = np.asarray(powered(conf_b, temperature)), np.asarray(correct, dtype=bool)
-    return HeldOutCheck(len(correct), temperature, float(correct.mean()),
-                        binned_calibration_error(conf_b, correct), binned_calibration_error(conf_a, correct),
-                        auroc(conf_b, correct), auroc(conf_a, correct), float(conf_b.mean()), float(conf_a.mean()))
+    return _held_out(conf_b, np.asarray(powered(conf_b, temperature)), np.asarray(correct, dtype=bool), temperature)
 
 
 def split_fit_held_out(n: int, held_out: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

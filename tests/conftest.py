@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.readme_numbers import per_file
+
 # torch with 2 threads on a busy 2-core machine slows by 10-100x (oversubscription); tests stay single-threaded.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
@@ -113,10 +115,7 @@ def pytest_collection_modifyitems(config, items):
     published = REPO / "benchmarks" / "results" / "test-times.md"
     if not published.is_file():
         return
-    import re
-
-    seconds = {name: float(s) for name, s in re.findall(r"^\| (tests/\S+\.py) \| \d+ \| ([\d.]+) \|",
-                                                         published.read_text(), re.M)}
+    _, seconds = per_file(published)
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 

@@ -30,6 +30,16 @@ def record_runs(name: str, run: dict, keep: int) -> list[dict]:
     return runs
 
 
+def record_keyed(name: str, entries: dict[str, dict]) -> dict[str, dict]:
+    """Set some entries of `<name>.json` (one per setting or quantity, the newest measurement of each), keeping the
+    others; returns them all."""
+    path = results_dir() / f"{name}.json"
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    kept.update(entries)
+    path.write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    return kept
+
+
 def write_markdown(name: str, text: str) -> Path:
     path = results_dir() / f"{name}.md"
     path.write_text(text.strip() + "\n")

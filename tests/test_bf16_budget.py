@@ -7,7 +7,6 @@ same test on a GPU, where the dtype is bf16 by default.
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 from datetime import date
@@ -21,7 +20,7 @@ from adapters.engine_settings import BF16_BUDGET
 from calm_core.data import load_mc
 from calm_core.prompts import render_chat
 from tests.hf_reference import cloze_option_probs
-from tests.recorded import results_dir, write_markdown
+from tests.recorded import record_keyed, write_markdown
 from tests.servers import calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
@@ -88,12 +87,9 @@ def test_free_form_confidence_within_the_bf16_budget(bf16_client, free_form_mode
 
 def record(**worst: float) -> None:
     """The largest error measured per quantity (written before the budget is asserted, so a miss is on record too)."""
-    path = results_dir() / "bf16_budget.json"
-    measured = json.loads(path.read_text()) if path.is_file() else {}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
-    for name, value in worst.items():
-        measured[name] = {"worst": round(value, 4), "device": device, "date": date.today().isoformat()}
-    path.write_text(json.dumps(measured, indent=1, sort_keys=True) + "\n")
+    measured = record_keyed("bf16_budget", {name: {"worst": round(value, 4), "device": device,
+                                                   "date": date.today().isoformat()} for name, value in worst.items()})
     lines = ["| quantity (absolute error vs HF in fp32) | budget | largest measured | device | date |",
              "|---|---:|---:|---|---|"]
     for name, budget in BF16_BUDGET.items():

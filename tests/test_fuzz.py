@@ -13,7 +13,6 @@ Every schemathesis check runs, schema-valid acceptance included: the document st
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -23,7 +22,7 @@ from datetime import date
 
 import pytest
 
-from tests.recorded import results_dir, write_markdown
+from tests.recorded import record_keyed, write_markdown
 from tests.servers import calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
@@ -56,11 +55,8 @@ def test_fuzzed_requests_get_no_5xx_and_conform_to_the_openapi_document(tmp_path
 
 def record(examples: int, generated: int, operations: int | None, seconds: float) -> None:
     """One row per examples setting (the CI form and the long form), the newest run of each."""
-    path = results_dir() / "fuzz.json"
-    runs = json.loads(path.read_text()) if path.is_file() else {}
-    runs[str(examples)] = {"generated": generated, "operations": operations, "seconds": round(seconds),
-                           "date": date.today().isoformat()}
-    path.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+    runs = record_keyed("fuzz", {str(examples): {"generated": generated, "operations": operations,
+                                                 "seconds": round(seconds), "date": date.today().isoformat()}})
     lines = ["| examples per operation | operations | requests generated | failing | schemathesis run (s) | date |",
              "|---:|---:|---:|---:|---:|---|"]
     for n, run in sorted(runs.items(), key=lambda kv: int(kv[0])):

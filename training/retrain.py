@@ -30,7 +30,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,7 +48,7 @@ from calm_core.toml_config import dump_toml, load_toml_model
 from training.artifact_scoring import load_served_model, option_probabilities
 from training.artifacts import reference_histogram
 from training.config import load_config
-from training.retrain_labelled import job_method, labelled_result, recalibrate_for_job
+from training.retrain_labelled import JobMethod, job_method, labelled_result, recalibrate_for_job
 from training.scoring import load_tokenizer
 from training.trainer import Trainer
 
@@ -71,7 +70,7 @@ class LoopConfig(BaseModel):
     auto_promote_label_free: bool = False  # without enough labels: promote anyway (else the operator decides)
     # auto: the labelled map (training/retrain_labelled.py) where the domain has `min_recalibration_labels` uploaded
     # labelled questions, else label-free CALM; a job may ask for either (POST /admin/jobs {"method": ...}).
-    method: Literal["auto", "label_free", "labelled"] = "auto"
+    method: JobMethod = "auto"
     min_recalibration_labels: int = Field(100, ge=10)
     # Continue from the version serving the domain (its adapter and head) rather than from the base model: a retrain
     # adjusts what serves to the domain's traffic in a few steps instead of relearning it. Needs the training config's

@@ -6,13 +6,15 @@ held-out check (ECE must fall, AUROC must not) is the gate; the accuracy cannot 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal, get_args
 
 from calm_core.data import MCQuestion
 from calm_core.errors import CalmError
 from training.evaluate import DatasetSpec
 from training.recalibrate import RecalibrateConfig, run_recalibrate
 
-METHODS = ("auto", "label_free", "labelled")
+JobMethod = Literal["auto", "label_free", "labelled"]
+METHODS: tuple[str, ...] = get_args(JobMethod)
 
 
 def job_method(requested: str, n_labels: int, min_labels: int, domain: str) -> str:
