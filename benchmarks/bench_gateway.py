@@ -74,7 +74,7 @@ def workloads(tokenizer, n: int):
     direct_mc, gw_mc, gw_mc_noraw, direct_ff, gw_ff = [], [], [], [], []
     for i, q in enumerate(questions):
         prompt = render_chat(tokenizer, [{"role": "user", "content": letter_user_message(q.question, q.choices)}])
-        direct_mc.append(_payload(MODEL, EngineRequest(str(i), prompt, max_tokens=1, option_token_ids=letter_ids)))
+        direct_mc.append(_payload(MODEL, None, EngineRequest(str(i), prompt, max_tokens=1, option_token_ids=letter_ids)))
         gw = {"model": MODEL, "messages": [{"role": "user", "content": q.question}], "options": list(q.choices),
               "metadata": {"domain": "science"}}
         gw_mc.append(gw)
@@ -82,7 +82,7 @@ def workloads(tokenizer, n: int):
         ff_messages = [{"role": "user", "content": f"Explain briefly: {q.question}"}]
         ff_prompt = render_chat(tokenizer, ff_messages)
         # Greedy on both paths, so both produce the same tokens and stop at the same place.
-        direct_ff.append(_payload(MODEL, EngineRequest(str(i), ff_prompt, max_tokens=FREE_TOKENS, top_logprobs=5)))
+        direct_ff.append(_payload(MODEL, None, EngineRequest(str(i), ff_prompt, max_tokens=FREE_TOKENS, top_logprobs=5)))
         gw_ff.append({"model": MODEL, "messages": ff_messages, "max_tokens": FREE_TOKENS, "stream": True})
     return direct_mc, gw_mc, gw_mc_noraw, direct_ff, gw_ff
 
@@ -108,7 +108,10 @@ def main() -> None:
 
     identity = logs / "identity-artifact"
     write_identity_artifact(identity, None, with_reference=False)
-    settings = GatewaySettings(artifact=str(identity))
+    # The engine and the gateway share one registry folder: the gateway names its version, the engine resolves it there.
+    registry = logs / "registry"
+    os.environ["CALM_REGISTRY_DIR"] = str(registry)
+    settings = GatewaySettings(artifact=str(identity), registry_dir=registry)
     results: dict = {"requests_per_level": args.requests, "free_form_tokens": FREE_TOKENS, "cpus": os.cpu_count()}
 
     def engine(alpha: bool, port: int):

@@ -49,8 +49,8 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     common = dict(model_path=str(model.path), artifact_path=str(artifact_path), served_model_name=settings.served_model_name,
                   engine=engine, max_model_len=settings.max_model_len)
     lora = dict(adapter_path=str(adapter), adapter_rank=artifact.adapter_rank) if adapter else {}
-    if not inprocess:
-        return EngineConfig(**common, **lora)
+    if not inprocess:  # a fleet engine: every version by name from the gateways' registry
+        return EngineConfig(**common, **lora, registry_dir=str(settings.registry_root))
     one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
     folded = str(folded_model_dir(model.path, artifact)) if one_pass else None
     free_form = {}
@@ -87,38 +87,55 @@ def build_gateway(settings):
     model = resolve_model(settings.model, "float32")
     configured = Path(settings.artifact) if settings.artifact else default_artifact(model)
     stage(f"loading the artifact {configured.name} and the served copies of its weights")
-    load_version = None
+    artifact_path = serving_default(settings, configured)
+    tokenizer, artifact = load_checked(model, artifact_path)
     if settings.engine is EngineKind.INPROCESS:
         from adapters.inprocess import InProcessVLLMEngine
 
-        artifact_path = serving_default(settings, configured)
-        tokenizer, artifact = load_checked(model, artifact_path)
         engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, inprocess=True))
 
-        async def load_version(version: str, path: Path):
-            """Another registry version's engines (per-domain versions, hot swap), started off the event loop."""
-            import asyncio
-
-            def build():
-                _, loaded = load_checked(model, path)  # refuse a mismatched or corrupt artifact before any engine
-                return InProcessVLLMEngine(engine_config(settings, model, path, loaded, inprocess=True)), loaded
-
-            version_engine, loaded = await asyncio.to_thread(build)
-            await version_engine.start()
-            return version_engine, loaded
+        def version_engine(path: Path, loaded):
+            return InProcessVLLMEngine(engine_config(settings, model, path, loaded, inprocess=True))
     else:
-        # The upstream vLLM server holds the α head: the gateway serves what the server was started with.
-        artifact_path = configured
-        tokenizer, artifact = load_checked(model, artifact_path)
-        from adapters.upstream import UpstreamVLLMEngine
-        from adapters.vllm_common import ADAPTER_NAME
+        # The fleet's engines resolve every version by name in the shared registry (CALM_REGISTRY_DIR).
+        engine = upstream_engine(settings, artifact)
 
-        engine = UpstreamVLLMEngine(
-            settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version,
-            settings.max_model_len, settings.upstream_timeout_s, settings.upstream_connect_timeout_s,
-            adapter_name=ADAPTER_NAME if artifact.manifest.has_adapter else None,
-        )
+        def version_engine(path: Path, loaded):
+            return upstream_engine(settings, loaded)
+
+    async def load_version(version: str, path: Path):
+        """Another registry version's engine (per-domain versions, hot swap), started off the event loop; upstream,
+        loaded and checked on every engine of the fleet before any route switches to it."""
+        import asyncio
+
+        def build():
+            _, loaded = load_checked(model, path)  # refuse a mismatched or corrupt artifact before any engine
+            return version_engine(path, loaded), loaded
+
+        started, loaded = await asyncio.to_thread(build)
+        await started.start()
+        prepare = getattr(started, "prepare", None)
+        if prepare is not None:
+            try:
+                await prepare()
+            except Exception:
+                await started.close()
+                raise
+        return started, loaded
+
     return create_app(settings, engine, tokenizer, artifact, load_version=load_version)
+
+
+def upstream_engine(settings, artifact):
+    """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request."""
+    from adapters.upstream import UpstreamVLLMEngine
+
+    free_form = artifact.free_form if artifact.manifest.free_form_version is not None else None
+    return UpstreamVLLMEngine(
+        settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version, settings.max_model_len,
+        settings.upstream_timeout_s, settings.upstream_connect_timeout_s, has_adapter=artifact.manifest.has_adapter,
+        free_form_mode=free_form is not None, free_form_adapter=free_form is not None and free_form.manifest.has_adapter,
+        engine_urls=settings.upstream_engine_urls or None)
 
 
 def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -132,8 +149,9 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
     _, artifact = load_checked(model, artifact_path)  # refuse a mismatch before a 30-second engine start
     cfg = engine_config(settings, model, artifact_path, artifact)
     env = {**os.environ, **cfg.env()}
-    # Versions named per request are checked in vLLM's API process, which sees the environment (not additional_config).
-    env[REGISTRY_ENV] = os.environ.get(REGISTRY_ENV) or cfg.registry_root
+    # Versions named per request are resolved in the gateways' registry (a shared volume on a fleet); vLLM checks them in
+    # its API process, which sees the environment (not additional_config).
+    env[REGISTRY_ENV] = os.environ.get(REGISTRY_ENV) or str(settings.registry_root)
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cfg.server_args(host, port)], env

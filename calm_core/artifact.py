@@ -33,6 +33,7 @@ FORMAT_VERSION = 1
 HEAD_FILE = "alpha_head.safetensors"
 MANIFEST_FILE = "manifest.json"
 ADAPTER_DIR = "adapter"
+VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # an artifact version's name: no separators, no `..`
 FREE_FORM_DIR = "free_form"  # inside a multiple-choice artifact: the artifact that serves free-form answers
 
 

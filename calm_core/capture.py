@@ -58,7 +58,7 @@ class CapturedPrompt:
 class Capture:
     def __init__(self, db: Database, clock=time.time):
         self.db, self.clock = db, clock
-        META.create_all(db.engine)
+        db.create_tables(META)
 
     def settings(self) -> dict[str, CaptureSettings]:
         with self.db.engine.connect() as c:

@@ -23,6 +23,9 @@ def database_url(path_or_url: str | Path) -> str:
     return f"sqlite:///{text}"
 
 
+_SCHEMA_LOCK = 0x43414C4D  # "CALM": the advisory lock key under which tables are created
+
+
 class Database:
     def __init__(self, path_or_url: str | Path):
         self.url = database_url(path_or_url)
@@ -37,6 +40,17 @@ class Database:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def create_tables(self, meta) -> None:
+        """Create the tables `meta` lists that do not exist yet. Several processes may start on one empty database at
+        once (gateway replicas, the worker): on PostgreSQL the check-then-create runs under a transaction-scoped
+        advisory lock, since two concurrent CREATE TABLEs of one name fail with a unique violation in the catalog."""
+        if self.sqlite:
+            meta.create_all(self.engine)
+            return
+        with self.engine.begin() as conn:
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
+            meta.create_all(conn)
 
     def ping(self) -> None:
         """Raises the driver's error when the database does not answer (readiness)."""

@@ -80,7 +80,7 @@ def _job(row) -> Job:
 class JobQueue:
     def __init__(self, db: Database, lease_s: float = 60.0, max_attempts: int = 3, clock=time.time):
         self.db, self.lease_s, self.max_attempts, self.clock = db, lease_s, max_attempts, clock
-        META.create_all(db.engine)
+        db.create_tables(META)
 
     def enqueue(self, domain: str, trigger: str, detail: dict | None = None) -> tuple[Job, bool]:
         """(the domain's open job, True if this call created it)."""

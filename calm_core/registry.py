@@ -95,7 +95,7 @@ def training_data_sha256(manifest) -> str:
 class Registry:
     def __init__(self, db: Database, root: str | Path):
         self.db, self.root = db, Path(root)
-        META.create_all(db.engine)
+        db.create_tables(META)
 
     # -- reading --------------------------------------------------------------------------------------------------
     def active(self) -> dict[str, str]:

@@ -8,6 +8,7 @@ gateway/pipeline.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from calm_core.artifact import LoadedArtifact
 from calm_core.capture import Capture
-from calm_core.engine import EngineClient
+from calm_core.engine import EngineClient, EngineRejected, EngineUnavailable
 from calm_core.jobs import JobQueue
 from calm_core.registry import Registry
 from gateway.deployments import Deployment, Deployments, VersionLoader
@@ -31,6 +32,8 @@ from gateway.routers import admin, feedback, health, loop, openai
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store import Store
+
+log = logging.getLogger("calm.gateway")
 
 
 def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, artifact: LoadedArtifact, store: Store,
@@ -56,6 +59,21 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
                         capture, capture_book, KeyRing(store, settings.api_keys_required), in_flight)
 
 
+async def prepared(engine) -> None:
+    """Engines of a fleet load and check the default version before this replica takes traffic: engines that refuse it
+    (not in their registry: CALM_REGISTRY_DIR differs) stop the start with the reason; engines not up yet load it on
+    their first request."""
+    prepare = getattr(engine, "prepare", None)
+    if prepare is None:
+        return
+    try:
+        await prepare()
+    except EngineUnavailable as e:
+        log.warning("no engine answers yet (%s); each loads the version on its first request", e)
+    except EngineRejected as e:
+        raise RuntimeError(f"{e} (do the engines' CALM_REGISTRY_DIR and this gateway's registry folder agree?)") from None
+
+
 def create_app(
     settings: GatewaySettings,
     engine: EngineClient,
@@ -66,13 +84,14 @@ def create_app(
     load_version: VersionLoader | None = None,
 ) -> FastAPI:
     """`engine` serves `artifact`, the global default; `load_version` starts an engine for another registry version
-    (per-domain versions and hot swap), None where the engine cannot serve other versions (an upstream server)."""
+    (per-domain versions and hot swap; upstream: the same fleet naming another version), None to serve `artifact` alone."""
     state = build_state(settings, engine, tokenizer, artifact, store or Store(settings.database),
                         registry or CollectorRegistry(), load_version)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        await prepared(engine)
         poller = None
         try:
             await state.deployments.sync()  # per-domain versions serve from the first request on

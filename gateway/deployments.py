@@ -10,7 +10,8 @@ keeps one served deployment (engine + CalibratedService) per version in use, re-
 
 A domain's drift window restarts with the new version's reference histogram for that domain, so the drift gauge
 compares live traffic with what the serving version expects. The engine is built by an injected loader (the gateway
-imports no engine); without one (an upstream vLLM server holds the head) only the configured version serves.
+imports no engine); without one only the configured version serves. Upstream, a version is loaded on every engine of the
+fleet and checked before its route switches, and unloaded from them once retired.
 """
 
 from __future__ import annotations
@@ -116,6 +117,9 @@ class Deployments:
             deadline = time.monotonic() + self.drain_s
             while deployment.in_flight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
+            retire = getattr(deployment.service.engine, "retire", None)
+            if retire is not None:  # engines shared with other replicas: unload what no route here needs any more
+                await retire()
             await deployment.service.engine.close()
             log.info("closed artifact %s", deployment.version)
 

@@ -31,6 +31,9 @@ class GatewaySettings(BaseSettings):
     artifact: str | None = None  # None = the default artifact for the embedded model
     engine: EngineKind = EngineKind.INPROCESS
     upstream_urls: list[str] = []
+    # The engines one by one when CALM_UPSTREAM_URLS is a balancer in front of them: each loads and checks a version
+    # before the gateway routes to it (default: the upstream URLs themselves).
+    upstream_engine_urls: list[str] = []
     upstream_timeout_s: float = 30.0
     upstream_connect_timeout_s: float = 2.0
     max_model_len: int = 2048

@@ -61,7 +61,7 @@ CLIENT_KEYS = Table("client_keys", META,
 class Store(Database):
     def __init__(self, path_or_url: str | Path):
         super().__init__(path_or_url)
-        META.create_all(self.engine)
+        self.create_tables(META)
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:

@@ -25,6 +25,14 @@ if ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq postgresql >/dev/null; }
 fi
 
+# The fleet test balances two gateway replicas and two engines with HAProxy (deploy/haproxy/haproxy.cfg).
+if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing Debian's haproxy package for the fleet test"
+  $SUDO apt-get install -y -qq haproxy >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq haproxy >/dev/null; }
+fi
+
 "$VENV/bin/calm" model prepare
 # LiteLLM's proxy (the test of calibration headers behind it) has a venv of its own; its install overlaps the first
 # tests, and the test waits for it on a file lock (tests/litellm_proxy.py).

@@ -41,3 +41,26 @@ def option_tolerances(gateway_url: str) -> tuple[float, float]:
     if dtype == "float32":
         return 1e-3, 1e-3
     return BF16_BUDGET["option_probability"], BF16_BUDGET["raw_confidence"]
+
+
+def greedy_free_form(model, tokenizer, question: str, scale, shift, max_tokens: int = 48):
+    """A free-form answer as the engine serves it: greedy under the calibrated distribution (HF's KV cache), as
+    (answer token ids, calibrated log-probs, raw log-probs), end-of-turn token included."""
+    from training.generative import encode_text, free_form_prompt
+
+    scale, shift = torch.as_tensor(scale), torch.as_tensor(shift)
+    prompt = list(encode_text(tokenizer, free_form_prompt(tokenizer, question)))
+    ids, calibrated, raw = list(prompt), [], []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        for _ in range(max_tokens):
+            z = out.logits[0, -1].float()
+            logp = torch.log_softmax(z * scale + shift, -1)
+            token = int(logp.argmax())
+            calibrated.append(float(logp[token]))
+            raw.append(float(torch.log_softmax(z, -1)[token]))
+            ids.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return ids[len(prompt):], calibrated, raw

@@ -131,13 +131,10 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
     free-form mode (adapter + α head), end-of-turn token included; raw_confidence the same without the head. Both
     equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included; plain
     prompts keep a correct answer."""
-    import torch
-
     from calm_core.data import load_open
-    from training.generative import encode_text, free_form_prompt
+    from tests.hf_reference import greedy_free_form
 
     model, tokenizer, head = free_form_model
-    scale, shift = torch.as_tensor(head.scale), torch.as_tensor(head.shift)
     questions = list(PLAIN) + [q.question for q in load_open("triviaqa", root=shared_data)[2400:2403]]
     moved = 0
     for question in questions:
@@ -145,21 +142,7 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
                                            max_tokens=48, logprobs=True, extra_body={"calm": {"raw_confidence": True}})
         choice, cal = r.choices[0], calibration(r.choices[0])
         assert cal["mode"] == "free_form" and cal["method"] == "token"
-        prompt = list(encode_text(tokenizer, free_form_prompt(tokenizer, question)))
-        ids, calibrated, raw = list(prompt), [], []
-        with torch.no_grad():  # greedy under the calibrated distribution, as the engine samples (HF's KV cache)
-            out = model(input_ids=torch.tensor([ids]), use_cache=True)
-            for _ in range(48):
-                z = out.logits[0, -1].float()
-                logp = torch.log_softmax(z * scale + shift, -1)
-                token = int(logp.argmax())
-                calibrated.append(float(logp[token]))
-                raw.append(float(torch.log_softmax(z, -1)[token]))
-                ids.append(token)
-                if token == tokenizer.eos_token_id:
-                    break
-                out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-        answer = ids[len(prompt):]
+        answer, calibrated, raw = greedy_free_form(model, tokenizer, question, head.scale, head.shift)
         assert choice.message.content == tokenizer.decode(answer, skip_special_tokens=True)
         served = [t.logprob for t in choice.logprobs.content]
         np.testing.assert_allclose(served, calibrated[: len(served)], atol=1e-3)

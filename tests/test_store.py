@@ -130,3 +130,46 @@ def test_a_failing_database_answers_503_and_keeps_what_was_stored(tmp_path):
         store.record_responses = healthy
         assert http.post("/v1/chat/completions", json=body).status_code == 200
         assert store.get_response(first) is not None and store.recent_feedback("other") == ([store.get_response(first)[1]], [True])
+
+
+def test_replicas_starting_together_on_an_empty_postgresql_create_the_tables_once(postgres_url):
+    """Gateway replicas and the worker start at the same moment on a new database: the tables are created under an
+    advisory lock (two concurrent CREATE TABLEs of one name fail in PostgreSQL's catalog; tests/test_fleet.py met it)."""
+    import threading
+
+    import psycopg
+    from sqlalchemy import inspect
+    from sqlalchemy.engine import make_url
+
+    from calm_core.db import Database
+    from calm_core.jobs import JobQueue
+    from calm_core.registry import Registry
+
+    server = make_url(postgres_url)
+    with psycopg.connect(host=server.host, port=server.port, user=server.username, dbname="postgres",
+                         autocommit=True) as conn:
+        conn.execute("DROP DATABASE IF EXISTS race")
+        conn.execute("CREATE DATABASE race")
+    url = server.set(database="race").render_as_string(hide_password=False)
+    start, errors = threading.Barrier(6), []
+
+    def open_one(make):
+        start.wait()
+        try:
+            make()
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    makers = [lambda: Store(url), lambda: Store(url), lambda: Store(url), lambda: Registry(Database(url), "/tmp/r"),
+              lambda: JobQueue(Database(url)), lambda: Store(url)]
+    threads = [threading.Thread(target=open_one, args=(m,)) for m in makers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    store = Store(url)
+    try:
+        assert {"policies", "feedback", "artifact_versions", "retrain_jobs"} <= set(inspect(store.engine).get_table_names())
+    finally:
+        store.close()

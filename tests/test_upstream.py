@@ -56,9 +56,12 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
     engine_port, gw_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     dead = f"http://127.0.0.1:{free_port()}"  # listed first: every request that lands on it fails over to the live one
+    # The engine resolves the versions the gateway names in the gateway's registry folder (a shared volume on a fleet).
+    registry = {"CALM_REGISTRY_DIR": str(tmp_path / "registry")}
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}", "{engine_url}"]',
-           "CALM_DB_PATH": str(tmp_path / "g.db"), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log", timeout=300) as engine, \
+           "CALM_DB_PATH": str(tmp_path / "g.db"), "VLLM_CPU_KVCACHE_SPACE": "1", **registry}
+    with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log",
+                 registry, timeout=300) as engine, \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
         base = f"http://127.0.0.1:{gw_port}"
         r = chat(base, **QUESTION)
@@ -80,7 +83,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
             return httpx.post(f"{engine_url}/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "The sky is", "max_tokens": 1, "vllm_xargs": {"calm_head": head}})
 
-        assert direct(shipped_artifact.path.name).status_code == 200
+        assert direct(shipped_artifact.manifest.artifact_version).status_code == 200
         for bad in ("/etc", f"../{shipped_artifact.path.name}", "no-such-version"):
             refused = direct(bad)
             assert refused.status_code == 400 and "calm_head" in refused.text, (bad, refused.text)
@@ -135,7 +138,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         assert max(took for _, took, _ in after) < 10.0, after
         assert all(code in (200, 503) for _, _, code in results)  # the ones cut mid-request: 503, never a 500
         with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine2.log",
-                     timeout=300):
+                     registry, timeout=300):
             wait_until("a 200 once the engine is back", lambda: chat(base, **QUESTION).status_code == 200, every=0.05)
 
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):

@@ -14,6 +14,7 @@ from pydantic import (
     model_validator,
 )
 
+from calm_core.artifact import VERSION_NAME
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 from gateway.protocol.common import NONBLANK, StrictInt, blank
 
@@ -37,6 +38,9 @@ class CalmOptions(BaseModel):
     raw_confidence: StrictBool | None = None  # also the raw model's number (semantic: the unmapped agreeing share)
     confidence: Literal["token", "semantic"] | None = None  # free form; default: the domain's policy, else token
     samples: StrictInt | None = Field(default=None, ge=2, le=MAX_SAMPLES)  # semantic: answers sampled per request
+    # Served by this artifact version instead of the domain's (one this gateway serves: canaries, reproducing an answer);
+    # a name, never a path.
+    version: StrictStr | None = Field(default=None, pattern=VERSION_NAME)
 
 
 class TextPart(BaseModel):

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
 from gateway.deployments import Deployment
-from gateway.errors import ErrorClass, classify, log, sse_error
+from gateway.errors import APIError, ErrorClass, classify, log, sse_error
 from gateway.keys import ClientKey
 from gateway.limits import deadline
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
@@ -44,6 +44,20 @@ async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = 
     return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
 
 
+def serving(gateway: GatewayState, req: SamplingFields, domain: str) -> Deployment:
+    """The domain's deployment, or the version the request names: one this replica serves, else a 404 as for an
+    unknown model (a path never gets here: the name's pattern refuses it with a 400)."""
+    version = req.calm.version if req.calm is not None else None
+    if version is None:
+        return gateway.deployments.for_domain(domain)
+    deployment = gateway.deployments.loaded.get(version)
+    if deployment is None:
+        raise APIError(404, f"artifact version {version!r} is not served here (served: "
+                       f"{', '.join(sorted(gateway.deployments.loaded))})", "not_found_error", "calm.version",
+                       code="version_not_found")
+    return deployment
+
+
 async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, domain_header: str | None,
                  key: ClientKey | None) -> Response:
     start = time.perf_counter()
@@ -51,7 +65,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
     try:
         gateway.keyring.admit(key, domain)
         gateway.in_flight.acquire()
-        deployment = gateway.deployments.for_domain(domain)
+        deployment = serving(gateway, req, domain)
         deployment.in_flight += 1
         held = False
         try:
