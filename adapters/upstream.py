@@ -70,6 +70,8 @@ def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
         # vLLM returns prompt log-probs only in whole responses (a stream carries them only with `echo`).
         body.update(prompt_logprobs=0, stream=False)
         body.pop("stream_options")
+        if not r.prompt_token_ids:  # the log-probs are keyed by token id: the prompt's ids come back with them
+            body["return_token_ids"] = True
     return body
 
 

@@ -116,7 +116,8 @@ def pytest_collection_modifyitems(config, items):
     if not published.is_file():
         return
     _, seconds = per_file(published)
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+    # A file the published run does not list is unmeasured: it starts first, so a slow new one never starts last.
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
 
 
 # -- where the time goes: per file and per test, printed at the end of every run ---------------------------------------
