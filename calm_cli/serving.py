@@ -142,13 +142,13 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
     """argv and environment for a vLLM OpenAI server with the α-head logits processor configured."""
     import sys
 
-    from adapters.vllm_common import REGISTRY_ENV
+    from adapters.vllm_common import REGISTRY_ENV, RUNTIME_LORA_ENV
 
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
     _, artifact = load_checked(model, artifact_path)  # refuse a mismatch before a 30-second engine start
     cfg = engine_config(settings, model, artifact_path, artifact)
-    env = {**os.environ, **cfg.env()}
+    env = {**os.environ, **cfg.env(), **RUNTIME_LORA_ENV}
     # Versions named per request are resolved in the gateways' registry (a shared volume on a fleet); vLLM checks them in
     # its API process, which sees the environment (not additional_config).
     env[REGISTRY_ENV] = os.environ.get(REGISTRY_ENV) or str(settings.registry_root)
