@@ -71,6 +71,15 @@ def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
     return body
 
 
+def _stream_error(error: dict) -> Exception:
+    """An error vLLM sends inside a stream: a request it refuses after answering 200 (a `calm_head` it cannot resolve
+    is checked as the stream starts) is refused like a 400 before the stream; anything else is the engine's fault."""
+    message = error.get("message") or "upstream error"
+    if error.get("code") in (400, 404):
+        return EngineRejected(message)
+    return EngineUnavailable(f"upstream error: {message}")
+
+
 def _deltas(chunk: dict) -> list[EngineDelta]:
     """One delta per choice in the chunk (n > 1 interleaves them); the usage chunk carries the prompt's length."""
     if chunk.get("usage") and not chunk.get("choices"):
@@ -186,7 +195,7 @@ class UpstreamVLLMEngine:
                         continue
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        raise EngineUnavailable(f"upstream error: {chunk['error'].get('message')}")
+                        raise _stream_error(chunk["error"])
                     for delta in _deltas(chunk):
                         yield delta
         except asyncio.TimeoutError:

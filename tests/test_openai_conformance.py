@@ -113,7 +113,9 @@ def clients(tmp_path_factory, identity_artifact, embedded_model_dir):
     tmp = tmp_path_factory.mktemp("conformance")
     engine_port, gw_port, up_port = free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
-    common = {"CALM_ARTIFACT": str(identity_artifact), "CALM_ENVIRONMENT": "development"}
+    # One registry folder: the upstream gateway names its version per request and the engine resolves it there.
+    common = {"CALM_ARTIFACT": str(identity_artifact), "CALM_ENVIRONMENT": "development",
+              "CALM_REGISTRY_DIR": str(tmp / "registry")}
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp / "engine.log",
                  {**common, "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300), \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp / "gw.log",

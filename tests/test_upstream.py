@@ -3,6 +3,8 @@ upstream listed first: requests fail over to the live one), and only dead upstre
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 import httpx
@@ -88,11 +90,22 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
             refused = direct(bad)
             assert refused.status_code == 400 and "calm_head" in refused.text, (bad, refused.text)
 
+        # A gateway whose registry the engine cannot see refuses to start, naming the setting to fix (rather than
+        # answering every request with the engine's refusal). Its identity version has no adapter, so the engine
+        # refuses the head inside its stream (after a 200), the path a version with an adapter never takes.
+        from training.artifacts import write_identity_artifact
+
+        write_identity_artifact(tmp_path / "identity", with_reference=False)
+        stray = subprocess.run(calm_argv("serve", "--port", str(free_port())), capture_output=True, text=True,
+                               timeout=300, env={**os.environ, **env, "CALM_REGISTRY_DIR": str(tmp_path / "elsewhere"),
+                                                 "CALM_ARTIFACT": str(tmp_path / "identity"),
+                                                 "CALM_DB_PATH": str(tmp_path / "stray.db")})
+        assert stray.returncode != 0 and "CALM_REGISTRY_DIR" in stray.stderr + stray.stdout, stray.stderr[-2000:]
+
         # Fault: the engine is killed under load. Requests in flight and new ones get a 503 (none hangs), and
         # service resumes by itself once the engine is back on its port. Each step waits for the event it needs
         # (answers acknowledged, the port refusing, answers after it), never for a fixed time: a busy machine can take
         # seconds per 16-token answer.
-        import os
         import signal
         import socket
         import threading
