@@ -67,6 +67,7 @@ BLOCKS = [
     Block("calm-report", "calm report --out reports/calm", REPO / "reports" / "calm" / "report.md", report_body),
     Block("open-ended-report", "calm report --task open-ended --out reports/open-ended",
           REPO / "reports" / "open-ended" / "report.md", report_body),
+    Block("fleet", "python benchmarks/bench_fleet.py", RESULTS / "fleet.md"),
     Block("dashboard", "python benchmarks/dashboard_run.py", RESULTS / "dashboard.md"),
 ]
 
