@@ -573,14 +573,17 @@ def worker(
     the gateway; several workers may share one database)."""
     import logging
 
+    from adapters.inprocess import artifact_engine
     from calm_core.db import Database
     from gateway.settings import GatewaySettings
-    from training.retrain import Worker, load_loop_config
+    from training.retrain import Worker
+    from training.retrain_gate import load_loop_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = GatewaySettings()
+    # Free-form modes are judged as served: vLLM in process, one engine per artifact scored.
     runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
-                    settings.model, launcher)
+                    settings.model, launcher, engines=artifact_engine)
     typer.echo(f"calm worker {runner.name}: jobs from {settings.database}")
     runner.run(once=once)
 

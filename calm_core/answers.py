@@ -25,6 +25,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# A free-form answer judged against aliases is the greedy answer cut at this many tokens (offline evaluation, labels
+# uploaded to the gateway): the base model answers in sentences; the entity comes early or not at all.
+ANSWER_TOKENS = 48
+
 _NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty".split())}

@@ -86,11 +86,13 @@ class Capture:
             for kind in {r["kind"] for r in rows}:
                 self._prune(c, domain, settings, kind)
 
-    def add_labelled(self, domain: str, items: list[tuple[str, list[str], int]]) -> None:
+    def add_labelled(self, domain: str, items: list[tuple[str, list[str] | None, int | list[str]]]) -> None:
         """Questions an operator uploaded with their answers (/admin/labels): kept whether or not traffic capture is
-        on (they are the operator's data, not users'), for the retraining gate; bounded like a capture."""
+        on (they are the operator's data, not users'), for the retraining gate; bounded like a capture. Multiple
+        choice: options and the answer's index; free form: no options, the answer's aliases (a JSON list)."""
         self.add(domain, CaptureSettings(enabled=True, include_answers=True),
-                 [("labelled", question, options, str(answer)) for question, options, answer in items])
+                 [("labelled", question, options, json.dumps(answer) if options is None else str(answer))
+                  for question, options, answer in items])
 
     def _prune(self, c, domain: str, settings: CaptureSettings, kind: str | None = None) -> None:
         """Drop what is older than the domain's age limit, then the oldest beyond its count limit (per kind, so

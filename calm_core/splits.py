@@ -15,7 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from calm_core.data import (
-    DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_mc_file, load_open, normalize_text,
+    DATASET_FILES, OPEN_DATASETS, MCQuestion, OpenQuestion, load_mc, load_mc_file, load_open, load_open_file,
+    normalize_text,
 )
 from calm_core.errors import ConfigError
 from calm_core.toml_config import load_toml_model
@@ -38,6 +39,8 @@ class SourceSpec(BaseModel):
     # traffic or its own labelled test questions (the retraining worker writes both). `dataset` and `split` then only
     # name it.
     path: str | None = None
+    # A file source of open-ended questions (`answers` aliases, no options) rather than multiple choice.
+    open_ended: bool = False
     # False: the questions' answers are placeholders (captured prompts): only the calibration role may use them.
     labelled: bool = True
 
@@ -46,6 +49,8 @@ class SourceSpec(BaseModel):
         if self.path is not None:
             if self.subjects or self.categories:
                 raise ValueError("a file source has no subjects or categories")
+        elif self.open_ended:
+            raise ValueError("open_ended describes a file source (`path`); a benchmark's kind is known")
         elif self.dataset not in DATASET_FILES:
             raise ValueError(f"unknown dataset {self.dataset!r}")
         elif self.split not in DATASET_FILES[self.dataset]:
@@ -58,6 +63,10 @@ class SourceSpec(BaseModel):
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be positive")
         return self
+
+    @property
+    def is_open(self) -> bool:
+        return self.open_ended if self.path is not None else self.dataset in OPEN_DATASETS
 
     @property
     def label(self) -> str:
@@ -92,14 +101,14 @@ class DomainSplit(BaseModel):
 
     @model_validator(mode="after")
     def _one_kind(self):
-        kinds = {s.dataset in OPEN_DATASETS for role in ROLES for s in getattr(self, role)}
+        kinds = {s.is_open for role in ROLES for s in getattr(self, role)}
         if len(kinds) > 1:
             raise ValueError("a split is either multiple choice or open-ended; it mixes both")
         return self
 
     @property
     def open_ended(self) -> bool:
-        return self.train[0].dataset in OPEN_DATASETS
+        return self.train[0].is_open
 
 
 def load_split(path: str | Path) -> DomainSplit:
@@ -111,7 +120,7 @@ Question = MCQuestion | OpenQuestion
 
 def select(spec: SourceSpec, seed: int, root: Path | None = None) -> list[Question]:
     if spec.path is not None:
-        questions = load_mc_file(spec.path)
+        questions = load_open_file(spec.path) if spec.open_ended else load_mc_file(spec.path)
     elif spec.dataset in OPEN_DATASETS:
         questions = load_open(spec.dataset, spec.split, root)
     else:

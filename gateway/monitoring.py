@@ -103,7 +103,8 @@ class DomainMonitor:
         ref = self.references.get(domain) or self.references.get("all")
         return (ref.bin_edges, ref.counts) if ref else None
 
-    def observe_answer(self, domain: str, confidence: float, entropy: float, below: bool, abstained: bool) -> None:
+    def observe_answer(self, domain: str, confidence: float, entropy: float, below: bool, abstained: bool,
+                       drift: bool = True) -> None:
         m = self.metrics
         m.answers.labels(domain).inc()
         m.confidence.labels(domain).observe(confidence)
@@ -112,7 +113,7 @@ class DomainMonitor:
             m.below_threshold.labels(domain).inc()
         if abstained:
             m.abstentions.labels(domain).inc()
-        window = self._windows.get(domain)
+        window = self._windows.get(domain) if drift else None
         if window is not None:
             with self._lock:
                 reading = window.add(confidence)

@@ -51,6 +51,10 @@ class RequestContext:
     policy: ResolvedPolicy
     view: WireView
     response_id: str
+    # False for a request pinned (`calm.version`) to a version other than the one serving its domain: its answers
+    # count in the domain's metrics but not in its drift window, which measures the serving version against its own
+    # reference.
+    drift: bool = True
 
     @property
     def buffered(self) -> bool:
@@ -162,7 +166,7 @@ class CalibratedService:
         policy, letters = ctx.policy, ctx.prompt.option_letters
         below = policy.below(choice.confidence)
         abstained = below and policy.action is Action.ABSTAIN
-        self.monitor.observe_answer(ctx.domain, choice.confidence, choice.entropy, below, abstained)
+        self.monitor.observe_answer(ctx.domain, choice.confidence, choice.entropy, below, abstained, ctx.drift)
         options = ([OptionProbability(label=label, probability=p) for label, p in zip(letters, choice.option_probs)]
                    if choice.option_probs is not None else None)
         clusters = [ClusterOut(answer=a, size=n) for a, n in choice.clusters] if choice.clusters is not None else None

@@ -44,11 +44,18 @@ class CaptureBook(CachedRead[dict]):
 
 
 def jobs_from_alerts(payload: AlertmanagerPayload, queue: JobQueue, known_domains: set[str]) -> list[tuple[Job, bool]]:
-    """One retraining job per domain with a firing drift alert (an open job of that domain is reused)."""
+    """One retraining job per domain with a firing drift alert (an open job of that domain is reused), and one per
+    alert episode (fingerprint and start): Alertmanager repeats an alert until Prometheus sees it resolve, which is
+    after the job's candidate serves and the domain's window refills; a repeat then does not start another job."""
     queued = []
     for alert in payload.alerts:
         domain = alert.labels.get("domain")
         if alert.status != "firing" or alert.labels.get("alertname") not in DRIFT_ALERTS or domain not in known_domains:
+            continue
+        latest = next(iter(queue.list(domain, limit=1)), None)
+        if (latest is not None and latest.trigger == "alert" and latest.detail.get("fingerprint") == alert.fingerprint
+                and latest.detail.get("starts_at") == alert.startsAt):
+            queued.append((latest, False))
             continue
         detail = {"alertname": alert.labels["alertname"], "starts_at": alert.startsAt,
                   "fingerprint": alert.fingerprint, "receiver": payload.receiver}

@@ -393,6 +393,9 @@ def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_
         bad = client.post("/admin/labels/science", json={"questions": [{"question": "q", "options": ["a", "b"], "answer": 2}]},
                           headers=admin)
         assert bad.status_code == 400 and "not one of the 2 options" in bad.json()["error"]["message"]
+        # Free-form labels: the aliases judge the greedy answer; an empty alias list is refused.
+        bad = client.post("/admin/labels/science", json={"questions": [{"question": "q", "answers": []}]}, headers=admin)
+        assert bad.status_code == 400, bad.text
         assert client.post("/admin/labels/nowhere", json={"questions": questions}, headers=admin).status_code == 404
         assert client.post("/admin/labels/science", json={"questions": questions}).status_code == 401
         assert 'calm_answers_total{domain="science"}' not in client.get("/metrics").text  # labels are not live answers

@@ -146,6 +146,29 @@ def test_a_version_that_cannot_load_is_reported_and_the_current_one_keeps_servin
         assert "one artifact" in client.get("/health").json()["versions"]["problems"]["v2"]
 
 
+def test_answers_pinned_to_another_version_stay_out_of_the_domains_drift_window(tmp_path):
+    app, engines, settings = make_app(tmp_path)
+    Registry(Database(settings.database), settings.registry_root).add(artifact_copy(tmp_path, "v2"), trigger="operator",
+                                                                      domain="science")
+
+    def window() -> float:
+        line = next(x for x in client.get("/metrics").text.splitlines()
+                    if x.startswith('calm_drift_window_size{domain="science"}'))
+        return float(line.split()[-1])
+
+    with TestClient(app) as client:
+        assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
+        assert wait_for(lambda: app.state.gateway.deployments.version_for("science") == "v2")
+        assert ask(client, "science") == "v2" and window() == 1
+        pinned = client.post("/v1/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hello"}], "options": ["x", "y"],
+            "metadata": {"domain": "science"}, "calm": {"version": "v1"}})
+        assert pinned.json()["choices"][0]["calibration"]["artifact_version"] == "v1"
+        assert window() == 1  # counted as an answer of the domain, not measured against v2's reference
+        assert 'calm_answers_total{domain="science"} 2.0' in client.get("/metrics").text
+        assert ask(client, "science") == "v2" and window() == 2
+
+
 def alert(domain: str, status: str = "firing", name: str = "CalmConfidenceDrift") -> dict:
     return {"status": status, "labels": {"alertname": name, "domain": domain, "severity": "warning"},
             "annotations": {"summary": "drift"}, "startsAt": "2026-11-30T00:00:00Z", "fingerprint": f"fp-{domain}"}
@@ -166,6 +189,15 @@ def test_alertmanager_webhook_queues_one_job_per_drifting_domain(tmp_path):
         assert [(j["domain"], j["status"], j["created"]) for j in jobs] == [("science", "queued", True)]
         again = client.post("/admin/alerts", json=payload, headers=ADMIN).json()["jobs"]
         assert again[0]["id"] == jobs[0]["id"] and not again[0]["created"]  # Alertmanager repeats: one job
+        # The job done, the same alert episode repeated (its candidate serves; the alert has not resolved yet): no
+        # second job. A new episode (the alert fired again later) starts one.
+        app.state.gateway.jobs.finish(jobs[0]["id"], "promoted")
+        repeat = client.post("/admin/alerts", json=payload, headers=ADMIN).json()["jobs"]
+        assert [(j["id"], j["status"], j["created"]) for j in repeat] == [(jobs[0]["id"], "promoted", False)]
+        later = {**payload, "alerts": [{**alert("science"), "startsAt": "2026-12-01T00:00:00Z"}]}
+        fresh = client.post("/admin/alerts", json=later, headers=ADMIN).json()["jobs"]
+        assert fresh[0]["created"] and fresh[0]["id"] != jobs[0]["id"]
+        app.state.gateway.jobs.finish(fresh[0]["id"], "failed")
 
         for bad in ({"version": "4"}, {**payload, "version": "3"}, {**payload, "alerts": [{"status": "odd"}]}, [1]):
             r = client.post("/admin/alerts", json=bad, headers=ADMIN)
@@ -174,13 +206,13 @@ def test_alertmanager_webhook_queues_one_job_per_drifting_domain(tmp_path):
         assert r.status_code == 400
 
         listed = client.get("/admin/jobs", headers=ADMIN).json()["data"]
-        assert [j["id"] for j in listed] == [jobs[0]["id"]] and listed[0]["trigger"] == "alert"
+        assert [j["id"] for j in listed] == [fresh[0]["id"], jobs[0]["id"]] and listed[1]["trigger"] == "alert"
         assert client.get(f"/admin/jobs/{jobs[0]['id']}", headers=ADMIN).json()["detail"]["fingerprint"] == "fp-science"
         assert client.get("/admin/jobs/ffff", headers=ADMIN).status_code == 404
         r = client.post("/admin/jobs", json={"domain": "medicine"}, headers=ADMIN)
         assert r.status_code == 201 and r.json()["trigger"] == "operator" and r.json()["created"]
         assert client.post("/admin/jobs", json={"domain": "astrology"}, headers=ADMIN).status_code == 404
-    assert len(JobQueue(Database(settings.database)).list()) == 2
+    assert len(JobQueue(Database(settings.database)).list()) == 3
 
 
 def test_capture_is_off_by_default_and_keeps_only_what_the_domain_opted_into(tmp_path):

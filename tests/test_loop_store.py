@@ -10,11 +10,12 @@ import pytest
 from calm_core.artifact import load_artifact, update_manifest
 from calm_core.capture import Capture, CaptureSettings
 from calm_core.db import Database
-from calm_core.errors import ArtifactError
+from calm_core.errors import ArtifactError, ConfigError
 from calm_core.jobs import JobQueue
 from calm_core.paths import BUNDLED_DIR
 from calm_core.registry import GLOBAL, Registry, RegistryError
-from training.retrain import GateInputs, LoopConfig, captured_questions, gate
+from training.retrain_data import captured_questions
+from training.retrain_gate import GateInputs, LoopConfig, gate
 
 SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
 
@@ -156,6 +157,51 @@ def test_captured_prompts_become_unlabelled_calibration_questions_without_duplic
                CapturedPrompt("multiple_choice", "One option?", ("a",), None, 3.0)]
     questions = captured_questions(prompts, "science")
     assert [(q.question, q.choices, q.domain) for q in questions] == [("Q?", ("a", "b"), "science")]
+
+
+def test_free_form_prompts_and_labels_become_open_questions_and_the_job_picks_its_modes(tmp_path):
+    from calm_core.capture import Capture, CapturedPrompt
+    from calm_core.splits import load_split, materialize
+    from training.retrain_data import (
+        captured_open_questions, job_split, labelled_open_questions, labelled_questions, traffic_counts,
+        write_questions,
+    )
+
+    capture = Capture(Database(tmp_path / "c.sqlite3"))
+    capture.add_labelled("trivia", [("Capital of France?", None, ["Paris", "City of Light"]),
+                                    ("Pick", ["a", "b"], 1)])
+    labelled = capture.prompts("trivia")
+    opened = labelled_open_questions(labelled, "trivia")
+    assert [(q.question, q.answers) for q in opened] == [("Capital of France?", ("Paris", "City of Light"))]
+    assert [(q.question, q.answer) for q in labelled_questions(labelled, "trivia")] == [("Pick", 1)]
+
+    prompts = [CapturedPrompt("free_form", "Who wrote Hamlet?", None, None, 0.0),
+               CapturedPrompt("free_form", "Who wrote Hamlet?", None, None, 1.0),
+               CapturedPrompt("free_form", "  ", None, None, 1.5),
+               CapturedPrompt("multiple_choice", "Q?", ("a", "b"), None, 2.0)]
+    open_questions = captured_open_questions(prompts, "trivia")
+    assert [(q.question, q.answers) for q in open_questions] == [("Who wrote Hamlet?", ())]
+    assert traffic_counts(prompts, "trivia") == {"multiple_choice": 1, "free_form": 1}
+
+    # Captured free-form prompts are an open-ended split's unlabelled calibration set (a file source).
+    calib = write_questions(tmp_path / "calibration.jsonl", open_questions)
+    split = load_split(job_split("configs/splits/open-smoke.toml", "trivia", calib, tmp_path / "split.toml",
+                                 open_ended=True))
+    assert split.open_ended and split.calibration[0].open_ended and not split.calibration[0].labelled
+    m = materialize(split)
+    assert [q.question for q in m.role("calibration")] == ["Who wrote Hamlet?"]
+    with pytest.raises(ConfigError, match="either multiple choice or open-ended"):
+        job_split("configs/splits/smoke.toml", "trivia", calib, tmp_path / "mixed.toml", open_ended=True)
+
+
+def test_a_job_retraining_both_modes_takes_the_stricter_gate():
+    from training.retrain_gate import GateDecision, both
+
+    promote, operator, reject = (GateDecision(o, (o,)) for o in ("promote", "operator", "reject"))
+    assert both(promote, promote).outcome == "promote"
+    assert both(promote, operator).outcome == "operator" and both(operator, promote).outcome == "operator"
+    decision = both(reject, promote)
+    assert decision.outcome == "reject" and decision.reasons == ("multiple choice: reject", "free form: promote")
 
 
 @pytest.mark.parametrize("inputs, outcome, reason", [

@@ -104,7 +104,8 @@ def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_
     from calm_core.jobs import JobQueue
     from calm_core.paths import BUNDLED_DIR
     from calm_core.registry import Registry
-    from training.retrain import Worker, load_loop_config
+    from training.retrain import Worker
+    from training.retrain_gate import load_loop_config
 
     db = Database(tmp_path / "gw.sqlite3")
     registry = Registry(db, tmp_path / "registry")

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,16 +23,15 @@ from datetime import datetime
 
 import httpx
 import pytest
-import yaml
 
 from calm_core.data import load_mc, load_open
+from tests.loop_stack import (
+    ADMIN, drift_alerts, jobs, loop_stack, prometheus_value, psi, registry_syncs, rules_evaluated_after,
+)
 from tests.recorded import record_runs, write_markdown
-from tests.servers import REPO, background, calm_argv, free_port, running, wait_until
+from tests.servers import REPO, background, calm_argv, free_port, wait_until
 
 pytestmark = pytest.mark.slow
-ADMIN = {"Authorization": "Bearer dev-admin-key"}
-RULES = REPO / "deploy" / "prometheus" / "alerts.yml"
-ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 
 
 def two_way(shared_data, start: int, stop: int, seed: int) -> list[dict]:
@@ -53,12 +50,8 @@ def two_way(shared_data, start: int, stop: int, seed: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory, embedded_model_dir, shared_data):
-    for tool in ("prometheus", "prometheus-alertmanager"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} not installed: scripts/test.sh installs Debian's prometheus and prometheus-alertmanager")
     tmp = tmp_path_factory.mktemp("loop")
-    gw_port, prom_port, am_port = free_port(), free_port(), free_port()
-    gateway = f"http://127.0.0.1:{gw_port}"
+    gw_port = free_port()
     # Labelled held-out questions of the domain's new traffic: the gate's in-domain test set, and the measurement of
     # ECE before and after (never trained on).
     test_file = tmp / "science-labelled.jsonl"
@@ -88,44 +81,8 @@ path = "{test_file}"
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
            "CALM_REGISTRY_POLL_S": "1", "CALM_KV_CACHE_MB": "128"}
 
-    # The shipped Alertmanager routing, pointed at this gateway, with this test's key file and short waits.
-    am_config = yaml.safe_load(ALERTMANAGER.read_text())
-    (tmp / "key").write_text("dev-admin-key\n")
-    for receiver in am_config["receivers"]:
-        for hook in receiver.get("webhook_configs", []):
-            hook["url"] = f"{gateway}/admin/alerts"
-            hook["http_config"]["authorization"]["credentials_file"] = str(tmp / "key")
-    for route in [am_config["route"], *am_config["route"]["routes"]]:
-        route.update(group_wait="1s", group_interval="1s")
-    (tmp / "alertmanager.yml").write_text(yaml.safe_dump(am_config))
-    # The shipped rules, with the drift alert's `for` at 5 s instead of 30 s: the expression, labels and routing are
-    # what is under test; waiting out a long `for` is Prometheus's behaviour, and only made the suite slower.
-    rules = yaml.safe_load(RULES.read_text())
-    drift = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "CalmConfidenceDrift"]
-    assert len(drift) == 1 and drift[0]["for"] == "30s"
-    drift[0]["for"] = "5s"
-    (tmp / "alerts.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
-    (tmp / "prometheus.yml").write_text(f"""
-global: {{scrape_interval: 1s, evaluation_interval: 1s}}
-rule_files: ["{tmp / 'alerts.yml'}"]
-scrape_configs:
-  - job_name: calm-gateway
-    static_configs: [{{targets: ["127.0.0.1:{gw_port}"]}}]
-alerting:
-  alertmanagers:
-    - static_configs: [{{targets: ["127.0.0.1:{am_port}"]}}]
-""")
-    am_argv = [shutil.which("prometheus-alertmanager"), f"--config.file={tmp / 'alertmanager.yml'}",
-               f"--storage.path={tmp / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="]
-    prom_argv = [shutil.which("prometheus"), f"--config.file={tmp / 'prometheus.yml'}",
-                 f"--storage.tsdb.path={tmp / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"]
-    worker_argv = calm_argv("worker", "--config", str(tmp / "loop.toml"), "--lease-s", "20")
-    with running(calm_argv("serve", "--port", str(gw_port)), f"{gateway}/health", tmp / "gw.log", env), \
-         running(am_argv, f"http://127.0.0.1:{am_port}/-/ready", tmp / "am.log", timeout=60), \
-         running(prom_argv, f"http://127.0.0.1:{prom_port}/-/ready", tmp / "prom.log", timeout=60), \
-         background(worker_argv, tmp / "worker.log", env) as worker:
-        yield {"gateway": gateway, "prometheus": f"http://127.0.0.1:{prom_port}", "tmp": tmp, "env": env,
-               "worker": worker}
+    with loop_stack(tmp, gw_port, tmp / "loop.toml", env) as stack:
+        yield stack
 
 
 def ask(gateway: str, q: dict) -> dict:
@@ -139,42 +96,6 @@ def ask(gateway: str, q: dict) -> dict:
 def send(gateway: str, questions: list[dict]) -> list[dict]:
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda q: ask(gateway, q), questions))
-
-
-def psi(gateway: str) -> float:
-    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith('calm_drift_psi{domain="science"}'):
-            return float(line.split()[-1])
-    raise AssertionError("no drift gauge for science")
-
-
-def registry_syncs(gateway: str) -> float:
-    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith('calm_registry_syncs_total{outcome="ok"}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
-def prometheus_value(prometheus: str, query: str) -> float | None:
-    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}).json()["data"]["result"]
-    return float(result[0]["value"][1]) if result else None
-
-
-def rules_evaluated_after(prometheus: str, timestamp: float) -> bool:
-    """Every rule group has been evaluated after `timestamp` (Unix seconds)."""
-    def unix(rfc3339: str) -> float:  # Prometheus gives nanoseconds; datetime takes microseconds
-        return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")).timestamp()
-    groups = httpx.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"]
-    return bool(groups) and all(unix(g["lastEvaluation"]) > timestamp for g in groups)
-
-
-def jobs(gateway: str, **params) -> list[dict]:
-    return httpx.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
-
-
-def drift_alerts(prometheus: str, domain: str) -> list[dict]:
-    alerts = httpx.get(f"{prometheus}/api/v1/alerts").json()["data"]["alerts"]
-    return [a for a in alerts if a["labels"]["alertname"] == "CalmConfidenceDrift" and a["labels"].get("domain") == domain]
 
 
 def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_core.answers import is_correct
+from calm_core.answers import ANSWER_TOKENS, is_correct
 from calm_core.artifact import load_artifact, update_manifest
 from calm_core.data import OpenQuestion, serving_domain
 from calm_core.engine import EngineClient, EngineFactory, EngineRequest
@@ -39,7 +39,7 @@ from training.evaluate import sample_questions
 from training.generative import free_form_prompt
 from training.scoring import load_tokenizer
 
-MAX_TOKENS = 48  # the base model's answers are sentences; the entity comes early or not at all
+MAX_TOKENS = ANSWER_TOKENS
 
 
 @dataclass

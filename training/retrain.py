@@ -19,7 +19,6 @@ was not finished):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,146 +27,36 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from calm_core.artifact import FREE_FORM_DIR, attach_free_form, load_artifact, update_manifest
 from calm_core.capture import Capture, CapturedPrompt, prompts_sha256
-from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion, load_mc_file
+from calm_core.data import MCQuestion, load_mc_file
+from calm_core.engine import EngineFactory
 from calm_core.db import Database
 from calm_core.errors import CalmError
 from calm_core.jobs import Job, JobQueue
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
-from calm_core.splits import SourceSpec, load_split, materialize
-from calm_core.toml_config import dump_toml, load_toml_model
+from calm_core.splits import load_split, materialize
+from calm_core.toml_config import dump_toml
 from training.artifact_scoring import load_served_model, option_probabilities
 from training.artifacts import reference_histogram
 from training.config import load_config
-from training.retrain_labelled import JobMethod, job_method, labelled_result, recalibrate_for_job
+from training.retrain_data import (
+    FREE_FORM, MULTIPLE_CHOICE, captured_questions, job_split, labelled_questions, traffic_counts, write_questions,
+)
+from training.retrain_free_form import retrain_free_form
+from training.retrain_gate import GateInputs, LoopConfig, both, gate
+from training.retrain_labelled import job_method, labelled_result, recalibrate_for_job
 from training.scoring import load_tokenizer
 from training.trainer import Trainer
 
 log = logging.getLogger("calm.worker")
-
-
-class LoopConfig(BaseModel):
-    """configs/loop.toml: what a retraining job trains and how its candidate is judged."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    train_config: str = "configs/train/loop.toml"  # method and schedule; its split's train role is the labelled set
-    runs_dir: str = "runs/jobs"
-    min_prompts: int = Field(30, ge=1)  # fewer captured multiple-choice prompts: the job fails, saying so
-    max_prompts: int = Field(2000, ge=1)  # the newest ones are used
-    accuracy_tolerance: float = 0.02  # candidate accuracy >= active's - this, on the domain's labelled test questions
-    ece_tolerance: float = 0.0  # candidate ECE <= active's + this, on the domain's uploaded labels (when enough)
-    min_feedback_labels: int = Field(50, ge=1)
-    auto_promote_label_free: bool = False  # without enough labels: promote anyway (else the operator decides)
-    # auto: the labelled map (training/retrain_labelled.py) where the domain has `min_recalibration_labels` uploaded
-    # labelled questions, else label-free CALM; a job may ask for either (POST /admin/jobs {"method": ...}).
-    method: JobMethod = "auto"
-    min_recalibration_labels: int = Field(100, ge=10)
-    # Continue from the version serving the domain (its adapter and head) rather than from the base model: a retrain
-    # adjusts what serves to the domain's traffic in a few steps instead of relearning it. Needs the training config's
-    # LoRA shape to be the parent's.
-    warm_start: bool = True
-    # Per domain: labelled in-domain test questions. A domain not listed uses the training split's in-domain tests.
-    test_sets: dict[str, list[SourceSpec]] = {}
-
-
-def load_loop_config(path: str | Path, **overrides) -> LoopConfig:
-    return load_toml_model(path, LoopConfig, "loop config", **overrides)
-
-
-# -- the gate (pure) -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GateInputs:
-    candidate_accuracy: float
-    active_accuracy: float
-    feedback_labels: int = 0
-    candidate_feedback_ece: float | None = None
-    active_feedback_ece: float | None = None
-
-
-@dataclass(frozen=True)
-class GateDecision:
-    outcome: str  # promote | operator | reject
-    reasons: tuple[str, ...]
-
-    def as_dict(self) -> dict:
-        return {"outcome": self.outcome, "reasons": list(self.reasons)}
-
-
-def gate(cfg: LoopConfig, m: GateInputs) -> GateDecision:
-    reasons = []
-    floor = m.active_accuracy - cfg.accuracy_tolerance
-    if m.candidate_accuracy < floor:
-        return GateDecision("reject", (f"accuracy {m.candidate_accuracy:.3f} below the active version's "
-                                       f"{m.active_accuracy:.3f} - {cfg.accuracy_tolerance:g}",))
-    reasons.append(f"accuracy {m.candidate_accuracy:.3f} >= {floor:.3f} (active {m.active_accuracy:.3f})")
-    if m.feedback_labels >= cfg.min_feedback_labels:
-        limit = m.active_feedback_ece + cfg.ece_tolerance
-        if m.candidate_feedback_ece > limit:
-            return GateDecision("reject", (*reasons, f"ECE {m.candidate_feedback_ece:.3f} on {m.feedback_labels} labels "
-                                           f"above the active version's {m.active_feedback_ece:.3f}"))
-        reasons.append(f"ECE {m.candidate_feedback_ece:.3f} <= {limit:.3f} on {m.feedback_labels} labels")
-        return GateDecision("promote", tuple(reasons))
-    reasons.append(f"{m.feedback_labels} labels of the domain (< {cfg.min_feedback_labels}): label-free")
-    if cfg.auto_promote_label_free:
-        return GateDecision("promote", (*reasons, "auto_promote_label_free is set"))
-    return GateDecision("operator", (*reasons, "promotion is the operator's call (calm artifacts promote)"))
-
-
-# -- data for one job ------------------------------------------------------------------------------------------------
-def captured_questions(prompts: list[CapturedPrompt], domain: str) -> list[MCQuestion]:
-    """Captured multiple-choice prompts as unlabelled questions (answer 0 is a placeholder), duplicates removed."""
-    seen, out = set(), []
-    for p in prompts:
-        if p.kind != "multiple_choice" or not p.options or not MIN_OPTIONS <= len(p.options) <= MAX_OPTIONS:
-            continue
-        key = hashlib.sha256(json.dumps([p.question, list(p.options)]).encode()).hexdigest()[:16]
-        if key not in seen:
-            seen.add(key)
-            out.append(MCQuestion(f"captured-{key}", f"captured:{domain}", "live", p.question, tuple(p.options), 0, domain))
-    return out
-
-
-def labelled_questions(prompts: list[CapturedPrompt], domain: str) -> list[MCQuestion]:
-    """Questions an operator uploaded with their answers (/admin/labels)."""
-    out = []
-    for i, p in enumerate(prompts):
-        if p.kind == "labelled" and p.options and p.answer is not None and p.answer.isdigit() and int(p.answer) < len(p.options):
-            out.append(MCQuestion(f"labelled-{i}", f"labelled:{domain}", "live", p.question, tuple(p.options), int(p.answer), domain))
-    return out
-
-
-def write_questions(path: Path, questions: list[MCQuestion]) -> Path:
-    rows = [{"id": q.id, "dataset": q.dataset, "split": q.split, "question": q.question, "choices": list(q.choices),
-             "answer": q.answer, "domain": q.domain} for q in questions]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
-
-def job_split(cfg: LoopConfig, train_split_path: str, domain: str, calibration_file: Path, out: Path) -> Path:
-    """The job's split: the training config's labelled training set and out-of-domain tests, the domain's captured
-    prompts as calibration, the domain's labelled questions as in-domain tests."""
-    base = load_split(train_split_path)
-    tests = cfg.test_sets.get(domain) or base.test_in_domain
-    split = base.model_copy(update={
-        "name": f"retrain-{domain}",
-        "calibration": [SourceSpec(dataset=f"captured:{domain}", split="live", path=str(calibration_file), labelled=False)],
-        "test_in_domain": tests,
-    })
-    out.write_text(dump_toml(split.model_dump(mode="json", exclude_none=True)), encoding="utf-8")
-    load_split(out)  # what was written reads back as a valid split
-    return out
 
 
 # -- scoring and judging ---------------------------------------------------------------------------------------------
@@ -234,8 +123,10 @@ class Heartbeat:
 
 class Worker:
     def __init__(self, cfg: LoopConfig, db: Database, registry_root: Path, name: str | None = None,
-                 lease_s: float = 60.0, model: str | None = None, launcher: str | None = None):
-        self.cfg, self.model, self.launcher = cfg, model, launcher
+                 lease_s: float = 60.0, model: str | None = None, launcher: str | None = None,
+                 engines: EngineFactory | None = None):
+        # engines: how free-form modes are scored as served (vLLM in process from `calm worker`)
+        self.cfg, self.model, self.launcher, self.engines = cfg, model, launcher, engines
         self.queue = JobQueue(db, lease_s=lease_s)
         self.registry = Registry(db, registry_root)
         self.capture = Capture(db)
@@ -278,35 +169,71 @@ class Worker:
                             domain)
         if method == "labelled":
             return self._recalibrate(job, job_dir, parent, labelled, prompts, beat)
+        modes = self._modes(domain, prompts)
+        parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
+        result, confidences, mc_dir, ff_dir = {"parent": parent, "modes": modes}, [], None, None
+        if MULTIPLE_CHOICE in modes:
+            mc_dir, mc_result, mc_confidences = self._multiple_choice(domain, job_dir, train_cfg, parent_artifact,
+                                                                      prompts, labelled, beat)
+            result.update(mc_result)
+            confidences.append(mc_confidences)
+        if FREE_FORM in modes:
+            ff = retrain_free_form(self.cfg.free_form(domain), job_dir, domain,
+                                   parent_artifact.path if parent_artifact else None, prompts, self.model,
+                                   self._engine_factory(), lambda cfg: self._train(cfg, beat), beat.note,
+                                   latest=lambda: self.capture.prompts(domain))
+            result.update({FREE_FORM: ff.result} if mc_dir else ff.result)
+            confidences.append(ff.captured_confidences)
+            ff_dir = ff.artifact
+        candidate_dir = self._assemble(job_dir, parent_artifact, mc_dir, ff_dir)
+        # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
+        manifest = load_artifact(candidate_dir).manifest
+        update_manifest(candidate_dir, reference_histograms={
+            **manifest.reference_histograms, domain: reference_histogram(np.concatenate(confidences))})
+        trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"
+        record = self.registry.add(candidate_dir, trigger=trigger, domain=domain, parent=parent, job_id=job.id,
+                                   calibration_sha256=prompts_sha256([p for p in prompts if p.kind in modes]),
+                                   metrics=result)
+        self.queue.set_candidate(job.id, record.version)
+        return self._decide(job, record.version, result, beat)
+
+    def _modes(self, domain: str, prompts: list[CapturedPrompt]) -> list[str]:
+        """The modes the domain's captured traffic can retrain: each with at least `min_prompts` distinct prompts."""
+        counts = traffic_counts(prompts, domain)
+        modes = [mode for mode, n in counts.items() if n >= self.cfg.min_prompts]
+        if not modes:
+            raise CalmError(f"{counts[MULTIPLE_CHOICE]} captured multiple-choice and {counts[FREE_FORM]} free-form "
+                            f"prompts in domain {domain!r}; the job needs {self.cfg.min_prompts} of one kind "
+                            f"(enable capture: PUT /admin/capture/{domain})")
+        return modes
+
+    def _engine_factory(self) -> EngineFactory:
+        if self.engines is None:
+            raise CalmError("judging a free-form mode needs an engine (calm worker passes vLLM in process)")
+        return self.engines
+
+    def _multiple_choice(self, domain: str, job_dir: Path, train_cfg, parent_artifact, prompts: list[CapturedPrompt],
+                         labelled: list[MCQuestion], beat: Heartbeat) -> tuple[Path, dict, np.ndarray]:
+        """CALM on the captured multiple-choice prompts; the exported artifact, its judged metrics and its confidences
+        on the captured prompts."""
         calib_file = self._calibration_file(domain, prompts, job_dir)
         calibration = load_mc_file(calib_file)
-        split_path = job_split(self.cfg, train_cfg.split, domain, calib_file, job_dir / "split.toml")
-        start = str(self.registry.path_of(parent)) if parent and self.cfg.warm_start else None
+        tests = [s for s in self.cfg.test_sets.get(domain, []) if not s.is_open] or None
+        split_path = job_split(train_cfg.split, domain, calib_file, job_dir / "split.toml", tests)
+        start = str(parent_artifact.path) if parent_artifact is not None and self.cfg.warm_start else None
         train_cfg = train_cfg.model_copy(update={"split": str(split_path), "init_from": start})
-        beat.note(f"parent {parent}; {len(calibration)} captured prompts as the calibration set", "training")
+        beat.note(f"parent {parent_artifact.manifest.artifact_version if parent_artifact else None}; "
+                  f"{len(calibration)} captured prompts as the calibration set", "training")
 
-        exported = self._train(train_cfg, job_dir, beat)
+        exported = self._train(train_cfg, beat)
         beat.note("trained; judging the candidate", "judging")
         model_path = str(resolve_model(train_cfg.model).path)
         tests = materialize(load_split(split_path)).role("test_in_domain")
-
-        parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
-        # One load of the candidate's weights for everything it is scored on (attaching the free-form mode below
-        # leaves its adapter and head as they are), one of the active version's.
+        # One load of the candidate's weights for everything it is scored on, one of the active version's.
         cand_calib, cand_tests, cand_labels = served_probabilities(exported, model_path, calibration, tests, judged)
         active_tests, active_labels = (served_probabilities(parent_artifact.path, model_path, tests, judged)
                                        if parent_artifact else (None, None))
-
-        # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
-        manifest = load_artifact(exported).manifest
-        update_manifest(exported, reference_histograms={**manifest.reference_histograms,
-                                                        domain: reference_histogram(cand_calib.max(axis=1))})
-        candidate_dir = exported
-        if parent_artifact is not None and parent_artifact.manifest.free_form_version is not None:
-            candidate_dir = job_dir / "candidate"  # the parent's free-form mode goes on serving free-form answers
-            attach_free_form(exported, parent_artifact.path / FREE_FORM_DIR, candidate_dir)
-
         active_m = metrics_of(active_tests, tests) if parent_artifact else None
         candidate_m = metrics_of(cand_tests, tests)
         inputs = GateInputs(candidate_m["accuracy"], active_m["accuracy"] if active_m else 0.0, len(labelled))
@@ -315,15 +242,22 @@ class Worker:
             feedback = {"candidate": metrics_of(cand_labels, judged), "active": metrics_of(active_labels, judged)}
             inputs = GateInputs(inputs.candidate_accuracy, inputs.active_accuracy, len(labelled),
                                 feedback["candidate"]["ece_10"], feedback["active"]["ece_10"])
-        result = {"parent": parent, "captured_prompts": len(calibration),
-                  "in_domain": {"candidate": candidate_m, "active": active_m}, "labels": feedback,
-                  "inputs": asdict(inputs)}
-        trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"
-        record = self.registry.add(candidate_dir, trigger=trigger, domain=domain, parent=parent, job_id=job.id,
-                                   calibration_sha256=prompts_sha256([p for p in prompts if p.kind == "multiple_choice"]),
-                                   metrics=result)
-        self.queue.set_candidate(job.id, record.version)
-        return self._decide(job, record.version, result, beat)
+        result = {"captured_prompts": len(calibration), "in_domain": {"candidate": candidate_m, "active": active_m},
+                  "labels": feedback, "inputs": asdict(inputs)}
+        return exported, result, cand_calib.max(axis=1)
+
+    @staticmethod
+    def _assemble(job_dir: Path, parent_artifact, mc_dir: Path | None, ff_dir: Path | None) -> Path:
+        """The candidate version: the retrained modes, and the parent's for a mode its traffic did not retrain."""
+        parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
+                     and parent_artifact.manifest.free_form_version is not None else None)
+        if mc_dir is None and parent_artifact is None:
+            raise CalmError("a free-form job keeps the serving version's multiple-choice mode; the domain has none")
+        mc, ff = mc_dir or parent_artifact.path, ff_dir or parent_ff
+        if ff is None:
+            return mc
+        attach_free_form(mc, ff, job_dir / "candidate")
+        return job_dir / "candidate"
 
     def _calibration_file(self, domain: str, prompts: list[CapturedPrompt], job_dir: Path) -> Path:
         """The domain's newest captured multiple-choice prompts, the label-free job's calibration set."""
@@ -353,15 +287,15 @@ class Worker:
         self.queue.set_candidate(job.id, record.version)
         return self._decide(job, record.version, result, beat)
 
-    def _train(self, train_cfg, job_dir: Path, beat: Heartbeat) -> Path:
+    def _train(self, train_cfg, beat: Heartbeat) -> Path:
         """CALM on the job's split, resumed from its checkpoint if a worker died mid-run; the exported artifact.
         In this process, or with `launcher` (e.g. `accelerate launch --num_processes 4`) as `calm train` under it."""
         if self.launcher:
-            config = job_dir / "train.toml"
+            config = Path(train_cfg.out_dir).parent / "train.toml"
             config.write_text(dump_toml(train_cfg.model_dump(exclude_none=True)))
             argv = [*shlex.split(self.launcher), "-m", "calm_cli", "train", "--config", str(config)]
             beat.note("training: " + " ".join(argv))
-            with open(job_dir / "train.out", "a") as out:
+            with open(Path(train_cfg.out_dir).parent / "train.out", "a") as out:
                 subprocess.run(argv, check=True, stdout=out, stderr=subprocess.STDOUT)
             return Path(train_cfg.out_dir) / "artifact"
         trainer = Trainer(train_cfg, show_progress=False).setup()
@@ -372,6 +306,8 @@ class Worker:
 
     def _decide(self, job: Job, version: str, result: dict, beat: Heartbeat) -> Job:
         decision = gate(self.cfg, GateInputs(**result["inputs"]))
+        if FREE_FORM in result:  # both modes retrained: both must pass
+            decision = both(decision, gate(self.cfg, GateInputs(**result[FREE_FORM]["inputs"])))
         result = {**result, "gate": decision.as_dict()}
         cand, active = result["in_domain"]["candidate"], result["in_domain"]["active"] or {}
         summary = (f"candidate {version}: accuracy {cand['accuracy']:.3f} (active {active.get('accuracy', float('nan')):.3f}), "

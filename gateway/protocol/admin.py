@@ -27,13 +27,23 @@ class LabelledQuestion(BaseModel):
         return self
 
 
-class LabelUpload(BaseModel):
-    """Labelled multiple-choice questions of a domain: the served artifact scores them and their verdicts become
-    labels for guaranteed-risk policies."""
+class LabelledOpenQuestion(BaseModel):
+    """A free-form question and its accepted answers (aliases): the served greedy answer is right when one of them
+    matches it (calm_core/answers.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    questions: list[LabelledQuestion] = Field(min_length=1, max_length=2000)
+    question: StrictStr = Field(min_length=1)
+    answers: list[Annotated[StrictStr, StringConstraints(min_length=1)]] = Field(min_length=1, max_length=64)
+
+
+class LabelUpload(BaseModel):
+    """Labelled questions of a domain, multiple choice or free form: the served artifact scores them, their verdicts
+    become labels for guaranteed-risk policies, and they judge the domain's retraining candidates."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    questions: list[LabelledQuestion | LabelledOpenQuestion] = Field(min_length=1, max_length=2000)
 
 
 class LabelUploadResult(BaseModel):

@@ -13,7 +13,9 @@ from gateway.errors import APIError
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
-from gateway.protocol.admin import KeyCreate, KeyCreated, KeyList, KeyOut, LabelUpload, LabelUploadResult, PolicyOut
+from gateway.protocol.admin import (
+    KeyCreate, KeyCreated, KeyList, KeyOut, LabelledOpenQuestion, LabelUpload, LabelUploadResult, PolicyOut,
+)
 from gateway.routers.deps import DomainPath, admin, checked_domain, documented, state
 from gateway.state import GatewayState
 from gateway.store import VersionConflict
@@ -93,7 +95,8 @@ async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depend
     verdicts = await score_labelled(gateway.deployments.for_domain(domain).service, domain, upload.questions)
     # Kept with their answers for the retraining gate (judged on, never trained on).
     await asyncio.to_thread(gateway.capture.add_labelled, domain,
-                            [(q.question, q.options, q.answer) for q in upload.questions])
+                            [(q.question, None, q.answers) if isinstance(q, LabelledOpenQuestion)
+                             else (q.question, q.options, q.answer) for q in upload.questions])
     return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                              labels=len(gateway.store.labelled_answers(domain)[0]))
 

@@ -72,6 +72,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
             async with deadline(gateway.settings.request_deadline_s):
                 service = deployment.service
                 ctx = service.prepare_chat(req, domain) if endpoint == "chat" else service.prepare_completion(req, domain)
+                ctx.drift = deployment is gateway.deployments.for_domain(domain)
                 if req.stream:  # the slots are held until the stream's last chunk
                     stream = held_until_done(counted(gateway, endpoint, domain, service.stream(ctx)), deployment)
                     held = True
