@@ -64,6 +64,7 @@ BLOCKS = [
           RESULTS / "retrain_loop.md"),
     Block("retrain-loop-free-form", "CALM_RECORD_RESULTS=1 pytest -s tests/test_retrain_loop_free_form.py",
           RESULTS / "retrain_loop_free_form.md"),
+    Block("free-form-subsets", "python benchmarks/free_form_subsets.py", RESULTS / "free_form_subsets.md"),
     Block("recalibration", "python benchmarks/bench_recalibration.py", RESULTS / "recalibration.md"),
     Block("cloze-formats", "python benchmarks/cloze_formats.py", RESULTS / "cloze_formats.md"),
     Block("calm-report", "calm report --out reports/calm", REPO / "reports" / "calm" / "report.md", report_body),
