@@ -194,6 +194,31 @@ def test_free_form_prompts_and_labels_become_open_questions_and_the_job_picks_it
         job_split("configs/splits/smoke.toml", "trivia", calib, tmp_path / "mixed.toml", open_ended=True)
 
 
+def test_a_candidate_takes_each_mode_from_its_retraining_or_else_from_the_parent(tmp_path):
+    """Multiple-choice traffic only: the new multiple-choice mode with the parent's free-form mode; free-form only: the
+    parent's multiple-choice mode with the new free-form mode; both: both new ones."""
+    from calm_core.errors import CalmError
+    from training.retrain import Worker
+
+    parent = load_artifact(artifact_copy(tmp_path, "parent"))
+    new_mc = artifact_copy(tmp_path, "new-mc")  # told apart from the parent's mode by a metric only it has
+    update_manifest(new_mc, free_form_version=None, metrics={"retrained": {"steps": 8.0}})
+    shutil.rmtree(new_mc / "free_form")
+    new_ff = tmp_path / "new-ff"
+    shutil.copytree(SHIPPED / "free_form", new_ff)
+    update_manifest(new_ff, artifact_version="new-ff")
+
+    got = {}
+    for name, (mc, ff) in {"mc": (new_mc, None), "ff": (None, new_ff), "both": (new_mc, new_ff)}.items():
+        (tmp_path / name).mkdir()
+        out = load_artifact(Worker._assemble(tmp_path / name, parent, mc, ff))
+        got[name] = ("retrained" in out.manifest.metrics, out.free_form.manifest.artifact_version)
+    parent_ff = parent.free_form.manifest.artifact_version
+    assert got == {"mc": (True, parent_ff), "ff": (False, "new-ff"), "both": (True, "new-ff")}
+    with pytest.raises(CalmError, match="keeps the serving version's multiple-choice mode"):
+        Worker._assemble(tmp_path, None, None, new_ff)
+
+
 def test_a_job_retraining_both_modes_takes_the_stricter_gate():
     from training.retrain_gate import GateDecision, both
 
