@@ -208,13 +208,14 @@ def test_a_candidate_takes_each_mode_from_its_retraining_or_else_from_the_parent
     shutil.copytree(SHIPPED / "free_form", new_ff)
     update_manifest(new_ff, artifact_version="new-ff")
 
+    parent_ff = SHIPPED / "free_form"  # what the worker passes for a mode the job did not retrain
     got = {}
-    for name, (mc, ff) in {"mc": (new_mc, None), "ff": (None, new_ff), "both": (new_mc, new_ff)}.items():
+    for name, (mc, ff) in {"mc": (new_mc, parent_ff), "ff": (None, new_ff), "both": (new_mc, new_ff)}.items():
         (tmp_path / name).mkdir()
         out = load_artifact(Worker._assemble(tmp_path / name, parent, mc, ff))
         got[name] = ("retrained" in out.manifest.metrics, out.free_form.manifest.artifact_version)
-    parent_ff = parent.free_form.manifest.artifact_version
-    assert got == {"mc": (True, parent_ff), "ff": (False, "new-ff"), "both": (True, "new-ff")}
+    parent_version = parent.free_form.manifest.artifact_version
+    assert got == {"mc": (True, parent_version), "ff": (False, "new-ff"), "both": (True, "new-ff")}
     with pytest.raises(CalmError, match="keeps the serving version's multiple-choice mode"):
         Worker._assemble(tmp_path, None, None, new_ff)
 

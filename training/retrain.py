@@ -171,6 +171,8 @@ class Worker:
             return self._recalibrate(job, job_dir, parent, labelled, prompts, beat)
         modes = self._modes(domain, prompts)
         parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
+        parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
+                     and parent_artifact.manifest.free_form_version is not None else None)
         result, confidences, mc_dir, ff_dir = {"parent": parent, "modes": modes}, [], None, None
         if MULTIPLE_CHOICE in modes:
             mc_dir, mc_result, mc_confidences = self._multiple_choice(domain, job_dir, train_cfg, parent_artifact,
@@ -178,14 +180,13 @@ class Worker:
             result.update(mc_result)
             confidences.append(mc_confidences)
         if FREE_FORM in modes:
-            ff = retrain_free_form(self.cfg.free_form(domain), job_dir, domain,
-                                   parent_artifact.path if parent_artifact else None, prompts, self.model,
+            ff = retrain_free_form(self.cfg.free_form(domain), job_dir, domain, parent_ff, prompts, self.model,
                                    self._engine_factory(), lambda cfg: self._train(cfg, beat), beat.note,
                                    latest=lambda: self.capture.prompts(domain))
             result.update({FREE_FORM: ff.result} if mc_dir else ff.result)
             confidences.append(ff.captured_confidences)
             ff_dir = ff.artifact
-        candidate_dir = self._assemble(job_dir, parent_artifact, mc_dir, ff_dir)
+        candidate_dir = self._assemble(job_dir, parent_artifact, mc_dir, ff_dir or parent_ff)
         # The candidate's reference for this domain: its own confidences on the domain's captured traffic.
         manifest = load_artifact(candidate_dir).manifest
         update_manifest(candidate_dir, reference_histograms={
@@ -248,15 +249,14 @@ class Worker:
 
     @staticmethod
     def _assemble(job_dir: Path, parent_artifact, mc_dir: Path | None, ff_dir: Path | None) -> Path:
-        """The candidate version: the retrained modes, and the parent's for a mode its traffic did not retrain."""
-        parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
-                     and parent_artifact.manifest.free_form_version is not None else None)
+        """The candidate version: its multiple-choice mode (retrained, else the parent's) with its free-form mode (the
+        retrained or the parent's one; none: the multiple-choice artifact alone)."""
         if mc_dir is None and parent_artifact is None:
             raise CalmError("a free-form job keeps the serving version's multiple-choice mode; the domain has none")
-        mc, ff = mc_dir or parent_artifact.path, ff_dir or parent_ff
-        if ff is None:
+        mc = mc_dir or parent_artifact.path
+        if ff_dir is None:
             return mc
-        attach_free_form(mc, ff, job_dir / "candidate")
+        attach_free_form(mc, ff_dir, job_dir / "candidate")
         return job_dir / "candidate"
 
     def _calibration_file(self, domain: str, prompts: list[CapturedPrompt], job_dir: Path) -> Path:

@@ -72,11 +72,12 @@ def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], 
     return write_questions(path, questions)
 
 
-def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, parent_dir: Path | None,
+def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, parent_mode: Path | None,
                       prompts: list[CapturedPrompt], model: str | None, engines: EngineFactory,
                       train: Callable[[TrainConfig], Path], note: Callable[[str, str | None], None],
                       latest: Callable[[], list[CapturedPrompt]] | None = None) -> FreeFormCandidate:
-    """`prompts`: the domain's capture when the job started (its calibration set); `latest` reads it again when the
+    """`parent_mode`: the serving version's free-form mode (None: the base model); `prompts`: the domain's capture
+    when the job started (its calibration set); `latest` reads it again when the
     candidate is judged, for the reference histogram: a drift alert fires on a half-full window, so traffic is still
     arriving while the job trains, and a reference of the first few dozen prompts is mostly sampling noise."""
     work = job_dir / FREE_FORM_DIR
@@ -84,7 +85,6 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
     calib = calibration_file(settings, prompts, domain, work)
     train_cfg = load_config(settings.train_config, out_dir=str(work / "run"), model=model)
     split_path = job_split(train_cfg.split, domain, calib, work / "split.toml", settings.tests or None, open_ended=True)
-    parent_mode = parent_dir / FREE_FORM_DIR if parent_dir is not None and (parent_dir / FREE_FORM_DIR).is_dir() else None
     start = str(parent_mode) if parent_mode is not None and settings.warm_start else None
     train_cfg = train_cfg.model_copy(update={"split": str(split_path), "init_from": start})
     captured = load_open_file(calib)
