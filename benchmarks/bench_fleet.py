@@ -24,7 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
-from benchmarks.bench_gateway import CONCURRENCY, FREE_TOKENS, level, load, make_sender, workloads  # noqa: E402
+from benchmarks.bench_gateway import (  # noqa: E402
+    CONCURRENCY, FREE_TOKENS, level, load, make_sender, ratio_rows, workloads,
+)
 from calm_core.engine import EngineRequest  # noqa: E402
 from tests.fleet import MODEL, Fleet  # noqa: E402
 from tests.postgres import postgres_server  # noqa: E402
@@ -88,13 +90,8 @@ def markdown(r: dict) -> str:
         "| workload | concurrency | direct rps | fleet rps | ratio | direct p50 ms | fleet p50 ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    for c in CONCURRENCY:
-        row = r[f"c{c}"]
-        for name, direct, fleet in (("multiple choice, raw_confidence off", "mc_direct", "mc_fleet"),
-                                    ("free form", "ff_direct", "ff_fleet")):
-            d, g = row[direct], row[fleet]
-            lines.append(f"| {name} | {c} | {d['rps']:.2f} | {g['rps']:.2f} | {g['rps'] / d['rps']:.3f} | "
-                         f"{d['p50_ms']:.1f} | {g['p50_ms']:.1f} |")
+    lines += ratio_rows(r, (("multiple choice, raw_confidence off", "mc_direct", "mc_fleet"),
+                            ("free form", "ff_direct", "ff_fleet")))
     return "\n".join(lines) + "\n"
 
 

@@ -172,6 +172,19 @@ def main() -> None:
     print(markdown(results))
 
 
+def ratio_rows(r: dict, workloads: tuple[tuple[str, str, str], ...], added: bool = False) -> list[str]:
+    """Table rows per concurrency level and (name, direct key, other key): both paths' rps, their ratio and p50s (and
+    the p50 the other path adds, with `added`)."""
+    lines = []
+    for c in CONCURRENCY:
+        row = r[f"c{c}"]
+        for name, direct, other in workloads:
+            d, g = row[direct], row[other]
+            lines.append(f"| {name} | {c} | {d['rps']:.2f} | {g['rps']:.2f} | {g['rps'] / d['rps']:.3f} | "
+                         f"{d['p50_ms']:.1f} | {g['p50_ms']:.1f} |" + (f" {g['p50_ms'] - d['p50_ms']:+.1f} |" if added else ""))
+    return lines
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"Gateway + vLLM (`calm engine`, upstream mode) against the same vLLM server called directly; {r['requests_per_level']} "
@@ -180,14 +193,9 @@ def markdown(r: dict) -> str:
         "| workload | concurrency | direct rps | gateway rps | ratio | direct p50 ms | gateway p50 ms | added p50 ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for c in CONCURRENCY:
-        row = r[f"c{c}"]
-        for name, direct, gw in (("multiple choice", "mc_direct", "mc_gateway"),
-                                 ("multiple choice, raw_confidence off", "mc_direct", "mc_gateway_no_raw"),
-                                 ("free form", "ff_direct", "ff_gateway")):
-            d, g = row[direct], row[gw]
-            lines.append(f"| {name} | {c} | {d['rps']:.2f} | {g['rps']:.2f} | {g['rps'] / d['rps']:.3f} | "
-                         f"{d['p50_ms']:.1f} | {g['p50_ms']:.1f} | {g['p50_ms'] - d['p50_ms']:+.1f} |")
+    lines += ratio_rows(r, (("multiple choice", "mc_direct", "mc_gateway"),
+                            ("multiple choice, raw_confidence off", "mc_direct", "mc_gateway_no_raw"),
+                            ("free form", "ff_direct", "ff_gateway")), added=True)
     a, p = r["decode_alpha"], r["decode_plain"]
     lines += ["", f"α head in the engine (free form, concurrency 8): {a['rps']:.2f} rps with it, {p['rps']:.2f} without "
               f"→ decode time {100 * (p['rps'] / a['rps'] - 1):+.1f} % with the head (run-to-run noise is larger than that).",
