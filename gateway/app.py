@@ -101,6 +101,7 @@ def create_app(
             if poller is not None:
                 poller.cancel()
             await state.capture_book.flush()
+            await state.shared.handoff.close()
             await state.deployments.close()  # every version's engines, the default's included
             state.store.close()
 

@@ -51,6 +51,19 @@ class Metrics:
         self.serving_version = Gauge("calm_serving_version_info", "The artifact version serving each domain (value 1)",
                                      ["domain", "version"], registry=registry)
         self.feedback_count = Gauge("calm_online_feedback_window", "Feedback items in the online window", ["domain"], registry=registry)
+        self.escalations = Counter("calm_escalations_total", "Answers below an escalate policy's threshold by outcome: "
+                                   "escalated (the target's answer served), fallback_annotate, fallback_abstain",
+                                   ["domain", "outcome"], registry=registry)
+        self.escalation_latency = Histogram("calm_escalation_target_seconds", "Time the escalation target took, answered "
+                                            "or failed", ["domain"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.escalation_errors = Counter("calm_escalation_errors_total", "Escalation target failures by reason (timeout, "
+                                         "connect, status, invalid, api_key)", ["domain", "reason"], registry=registry)
+        self.escalated_feedback = Counter("calm_escalated_feedback_total", "Feedback on escalated answers (it judges the "
+                                          "target)", ["domain", "correct"], registry=registry)
+        self.reviews = Counter("calm_reviews_total", "Reviews opened and closed (open now: opened - closed)",
+                               ["domain", "event"], registry=registry)
+        self.review_webhook_errors = Counter("calm_review_webhook_errors_total", "Review webhooks that failed (the "
+                                             "review stays in the database queue)", ["domain"], registry=registry)
         self.registry_syncs = Counter("calm_registry_syncs_total", "Registry polls completed (ok) or failed (error): a stalled "
                                       "count means promotions are not reaching this replica", ["outcome"], registry=registry)
 

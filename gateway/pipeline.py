@@ -21,6 +21,8 @@ from calm_core.scorers.registry import Scorers
 from gateway.errors import APIError
 from gateway.group_commit import GroupCommit
 from gateway.guarantees import GuaranteedThresholds
+from gateway.handoff import Handoff
+from gateway.handoff_store import HandoffStore
 from gateway.logprobs import Position, option_position, token_positions
 from gateway.monitoring import DomainMonitor
 from gateway.policies import Action, Policy, ResolvedPolicy, resolve
@@ -31,12 +33,7 @@ from gateway.protocol.openai import Calibration, ChatCompletionRequest, ClusterO
 from gateway.retraining import CaptureBook
 from gateway.settings import GatewaySettings
 from gateway.store import Store
-from gateway.wire import Answer, Served, WireView
-
-
-def response_key(response_id: str, choice_index: int) -> str:
-    """The stored id of one choice (feedback names a response and, for n > 1, a choice)."""
-    return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
+from gateway.wire import Answer, Served, WireView, response_key
 
 
 @dataclass
@@ -55,11 +52,14 @@ class RequestContext:
     # count in the domain's metrics but not in its drift window, which measures the serving version against its own
     # reference.
     drift: bool = True
+    # False for a request another gateway escalated here (X-Calm-Escalated): it is answered, never handed off again.
+    handoff: bool = True
 
     @property
     def buffered(self) -> bool:
-        """The whole answer is needed before any text may be shown: multiple choice, sampled confidences, abstain."""
-        return not self.scorer.streams or self.policy.action is Action.ABSTAIN
+        """The whole answer is needed before any text may be shown: multiple choice, sampled confidences, and every
+        action that may withhold it (abstain, escalate, review)."""
+        return not self.scorer.streams or self.policy.action.withholds
 
 
 @dataclass
@@ -74,6 +74,7 @@ class SharedParts:
     guarantees: GuaranteedThresholds
     capture: CaptureBook | None
     responses: GroupCommit
+    handoff: Handoff
 
     @classmethod
     def build(cls, settings: GatewaySettings, tokenizer, store: Store, monitor: DomainMonitor,
@@ -82,7 +83,20 @@ class SharedParts:
         guarantees = GuaranteedThresholds(store, monitor.metrics, policies.in_force, monitor.reference,
                                           settings.risk_refit_every)
         return cls(settings, tokenizer, store, monitor, policies, guarantees, capture,
-                   GroupCommit(lambda rows: store.record_responses(rows)))
+                   GroupCommit(lambda rows: store.record_responses(rows)), Handoff(HandoffStore(store), monitor.metrics))
+
+    def record_verdict(self, response_key: str, domain: str, correct: bool) -> bool | None:
+        """Feedback on a stored answer, then the domain's online calibration and guarantee see it (blocking: call it
+        off the event loop). True stored now, False the same verdict was stored, None another one was."""
+        stored = self.store.add_feedback(response_key, correct)
+        if stored:
+            self.verdict_recorded(domain, correct)
+        return stored
+
+    def verdict_recorded(self, domain: str, correct: bool) -> None:
+        confidences, outcomes = self.store.recent_feedback(domain, self.settings.feedback_window)
+        self.monitor.observe_feedback(domain, correct, confidences, outcomes)
+        self.guarantees.on_feedback(domain)
 
 
 class CalibratedService:
@@ -177,7 +191,7 @@ class CalibratedService:
             options=options, policy_state=policy.state, method=scoring.method.value if scoring.method else None,
             clusters=clusters)
         return Answer(policy.message if abstained else choice.text, choice.finish_reason, calibration,
-                      choice.completion_tokens, self._positions(choice, letters))
+                      choice.completion_tokens, (lambda: []) if abstained else self._positions(choice, letters))
 
     def _positions(self, choice: ScoredChoice, letters):
         if choice.output is None:  # the answer's one log-prob is the chosen option's, under the options' distribution
@@ -193,8 +207,9 @@ class CalibratedService:
         """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
         requests being served meanwhile; keep the question for retraining where the domain opted in."""
         rows = [(response_key(served.response_id, i), ctx.domain, a.calibration.confidence)
-                for i, a in enumerate(served.answers)]
-        await self.shared.responses.add(rows)
+                for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
+        if rows:
+            await self.shared.responses.add(rows)
 
     def capture(self, ctx: RequestContext, answer: str | None) -> None:
         if self.shared.capture is not None:
@@ -210,6 +225,8 @@ class CalibratedService:
 
     async def answer(self, ctx: RequestContext) -> Served:
         served = self.calibrate(await ctx.scorer.score(ctx.job), ctx)
+        if ctx.handoff:
+            served = await self.shared.handoff.apply(served, ctx)
         await self.record(served, ctx)
         return served
 

@@ -4,6 +4,10 @@ A target risk r is turned into a threshold on the artifact's reference confidenc
 risk estimate 1 − E[conf | conf ≥ t] is at most r. That estimate needs no labels because the confidences are
 calibrated (expected accuracy equals mean confidence); it is only as good as the calibration.
 
+Below the threshold the action applies: `annotate` (the answer is served, marked below), `abstain` (the policy's
+message instead), `escalate` (the original request goes to a stronger OpenAI-compatible model, gateway/escalation.py)
+or `review` (the answer goes to a review queue, the caller gets the message and a review id, gateway/reviews.py).
+
 A target risk with a `delta` is a guarantee (`guaranteed_risk`): the threshold comes from the domain's labelled
 answers by Learn-then-Test (calm_core/risk_control.py), so that with probability ≥ 1 − δ the answers let through are
 wrong at most a share r of the time. Until `min_labels` verdicts exist the declared fallback applies.
@@ -26,6 +30,43 @@ DEFAULT_DOMAIN = "default"
 class Action(str, Enum):
     ABSTAIN = "abstain"
     ANNOTATE = "annotate"
+    ESCALATE = "escalate"
+    REVIEW = "review"
+
+    @property
+    def withholds(self) -> bool:
+        """The first model's answer is not shown below the threshold, so none may stream before the decision."""
+        return self is not Action.ANNOTATE
+
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+_HTTP_URL = r"^https?://[^\s/?#]+[^\s]*$"
+
+
+class EscalationTarget(BaseModel):
+    """Where an unsure answer's request goes: an OpenAI-compatible server (`url` is its base, ending in /v1). The API key
+    is read at call time from an environment variable or a file of this gateway's host; only their names are stored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: StrictStr = Field(pattern=_HTTP_URL, max_length=2000)
+    model: StrictStr = Field(min_length=1, max_length=256)
+    api_key_env: StrictStr | None = Field(default=None, pattern=_ENV_NAME)
+    api_key_file: StrictStr | None = Field(default=None, pattern=r"^/\S+$", max_length=4096)
+    timeout_s: StrictFloat = Field(default=30.0, gt=0.0, le=600.0)  # the whole call; then `on_failure` applies
+    on_failure: Literal["annotate", "abstain"] = "annotate"
+    # "calm": the target is a CALM gateway: options are sent as options (scored there) and its calibration passed on;
+    # "openai": options are written into the question as lettered lines and the letter in its answer mapped back.
+    protocol: Literal["openai", "calm"] = "openai"
+
+
+class ReviewTarget(BaseModel):
+    """Besides the database queue (GET /admin/reviews), each new review can be posted to a webhook."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    webhook: StrictStr | None = Field(default=None, pattern=_HTTP_URL, max_length=2000)
+    timeout_s: StrictFloat = Field(default=5.0, gt=0.0, le=60.0)
 
 
 class Fallback(str, Enum):
@@ -39,6 +80,15 @@ class Policy(BaseModel):
         {"required": ["threshold"], "properties": {"threshold": {"type": "number"}, "target_risk": {"type": "null"},
                                                    "delta": {"type": "null"}}},
         {"required": ["target_risk"], "properties": {"target_risk": {"type": "number"}, "threshold": {"type": "null"}}},
+    ], "allOf": [
+        {"if": {"required": ["action"], "properties": {"action": {"const": "escalate"}}},
+         "then": {"required": ["escalate"], "properties": {"escalate": {"type": "object"}}}},
+        {"if": {"required": ["escalate"], "properties": {"escalate": {"type": "object"}}},
+         "then": {"required": ["action"], "properties": {"action": {"const": "escalate"}}}},
+        {"if": {"required": ["review"], "properties": {"review": {"type": "object"}}},
+         "then": {"required": ["action"], "properties": {"action": {"const": "review"}}}},
+        {"properties": {"escalate": {"not": {"required": ["api_key_env", "api_key_file"], "properties": {
+            "api_key_env": {"type": "string"}, "api_key_file": {"type": "string"}}}}}},
     ]})
 
     threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
@@ -50,6 +100,8 @@ class Policy(BaseModel):
     message: StrictStr = Field(default="I'm not confident enough to answer this.", max_length=2000)
     confidence: Literal["token", "semantic"] = "token"  # free-form estimator for the domain (a request overrides)
     samples: StrictInt = Field(default=8, ge=2, le=32)  # semantic: answers sampled per request
+    escalate: EscalationTarget | None = None  # action escalate: where unsure answers go
+    review: ReviewTarget | None = None  # action review: an optional webhook beside the database queue
 
     @model_validator(mode="after")
     def _one_rule(self):
@@ -57,6 +109,12 @@ class Policy(BaseModel):
             raise ValueError("give exactly one of `threshold` or `target_risk`")
         if self.delta is not None and self.target_risk is None:
             raise ValueError("`delta` goes with `target_risk` (a guaranteed risk)")
+        if (self.action is Action.ESCALATE) != (self.escalate is not None):
+            raise ValueError("action `escalate` needs an `escalate` target, and an `escalate` target needs that action")
+        if self.review is not None and self.action is not Action.REVIEW:
+            raise ValueError("a `review` target goes with action `review`")
+        if self.escalate is not None and self.escalate.api_key_env and self.escalate.api_key_file:
+            raise ValueError("give the target's API key as `api_key_env` or `api_key_file`, not both")
         return self
 
     @property
@@ -76,6 +134,8 @@ class ResolvedPolicy(BaseModel):
     message: str
     state: str | None = None  # guaranteed_risk: "guaranteed", or which fallback applies and why
     abstain_all: bool = False  # every answer is below the bar (no threshold keeps the promise yet)
+    escalate: EscalationTarget | None = None
+    review: ReviewTarget | None = None
 
     def below(self, confidence: float) -> bool:
         return self.abstain_all or confidence < self.threshold
@@ -112,4 +172,5 @@ def resolve(
         action, message = policy.action, policy.message
     threshold = max(base, requested_threshold) if requested_threshold is not None else base
     return ResolvedPolicy(name=name, threshold=threshold, action=action, message=message, state=state,
-                          abstain_all=abstain_all)
+                          abstain_all=abstain_all, escalate=policy.escalate if policy else None,
+                          review=policy.review if policy else None)

@@ -13,6 +13,11 @@ from gateway.protocol.openai import (
 )
 
 
+def response_key(response_id: str, choice_index: int) -> str:
+    """The stored id of one choice (feedback names a response and, for n > 1, a choice)."""
+    return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
+
+
 @dataclass
 class Answer:
     """One choice of a response, whatever its wire format."""

@@ -363,9 +363,8 @@ class LetterEngine(FailingEngine):
                           top_logprobs=[{a: math.log(0.7), b: math.log(0.3)}], prompt_tokens=3)
 
 
-def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_path):
-    from fastapi.testclient import TestClient
-
+def science_app(tmp_path, engine):
+    """The app on a scripted engine, serving an artifact whose one reference domain is "science"."""
     from calm_core.artifact import ArtifactManifest, LoadedArtifact, ReferenceHistogram
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
@@ -376,8 +375,14 @@ def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_
         answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
     artifact = LoadedArtifact.__new__(LoadedArtifact)
     object.__setattr__(artifact, "manifest", manifest)
-    app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), LetterEngine(), _tiny_tokenizer(),
-                     artifact)
+    return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(),
+                      artifact)
+
+
+def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_path):
+    from fastapi.testclient import TestClient
+
+    app = science_app(tmp_path, LetterEngine())
     admin = {"Authorization": "Bearer dev-admin-key"}
     # The engine always answers A at confidence 0.7: right for the first 24 questions, wrong for the last 6.
     questions = [{"question": "hello", "options": ["x", "y"], "answer": 0 if i < 24 else 1} for i in range(30)]

@@ -48,6 +48,31 @@ def test_feedback_is_idempotent_and_labels_come_back_in_order(database):
     assert [e["action"] for e in store.audit_log("science")] == ["refit", "refit"]
 
 
+def test_escalations_and_reviews_are_stored_and_judged_once(database):
+    from gateway.handoff_store import HandoffStore, Review
+
+    store = Store(database)
+    handoff = HandoffStore(store)
+    handoff.record_escalations([("chatcmpl-1", "science", 0.4, "strong", 0.9)])
+    assert handoff.escalation_domain("chatcmpl-1") == "science" and handoff.escalation_domain("x") is None
+    assert [handoff.judge_escalation("chatcmpl-1", v) for v in (True, True, False)] == [True, False, None]
+    assert store.labelled_answers("science") == ([], [])  # an escalated answer's verdict is not a first-model label
+    handoff.open_reviews([Review(f"rev-{i}", "science", f"chatcmpl-r{i}", {"prompt": "q"}, "A", 0.3 + i / 10, 100.0 + i)
+                          for i in range(2)])
+    store.record_responses([("chatcmpl-r0", "science", 0.3), ("chatcmpl-r1", "science", 0.4)])
+    assert [r.id for r in handoff.reviews()] == ["rev-0", "rev-1"]
+    assert handoff.close_review("rev-0", False, "admin", "wrong") is True
+    assert handoff.close_review("rev-0", False, "admin", None) is False
+    assert handoff.close_review("rev-0", True, "admin", None) is None
+    store.add_feedback("chatcmpl-r1", True)  # the caller judged it first: the review cannot contradict that
+    assert handoff.close_review("rev-1", False, "admin", None) is None
+    assert [r.id for r in handoff.reviews("closed")] == ["rev-0"] and handoff.review("rev-0").note == "wrong"
+    assert store.labelled_answers("science") == ([0.3, 0.4], [False, True])
+    with pytest.raises(LookupError):
+        handoff.close_review("rev-9", True, "admin", None)
+    store.close()
+
+
 def test_client_keys_are_stored_hashed_and_revocable(database):
     store = Store(database)
     store.add_client_key("k1", "team", "h" * 64, ["science"], 60.0)

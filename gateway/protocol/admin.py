@@ -1,4 +1,4 @@
-"""Admin API models: labelled questions, abstention policies, client API keys (pydantic only)."""
+"""Admin API models: labelled questions, abstention policies, client API keys, the review queue (pydantic only)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,36 @@ class KeyCreated(KeyOut):
 class KeyList(BaseModel):
     object: Literal["list"] = "list"
     data: list[KeyOut]
+
+
+class ReviewOut(BaseModel):
+    id: str
+    domain: str
+    response_id: str  # the withheld answer's response (and choice) id
+    request: dict  # the caller's messages or prompt, and options
+    answer: str  # the first model's answer, withheld from the caller
+    confidence: float
+    created_at: float
+    status: Literal["open", "closed"]
+    correct: bool | None = None
+    reviewer: str | None = None
+    note: str | None = None
+    closed_at: float | None = None
+
+
+class ReviewList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ReviewOut]
+
+
+class ReviewVerdict(BaseModel):
+    """An operator's verdict on the withheld answer: it closes the review and becomes that answer's feedback."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    correct: bool = Field(strict=True)
+    note: StrictStr | None = Field(default=None, max_length=2000)
+
+
+class ReviewClosed(ReviewOut):
+    recorded: bool  # False when the same verdict had been recorded before (idempotent repeat)

@@ -21,3 +21,4 @@ class FeedbackResponse(BaseModel):
     correct: bool
     recorded: bool  # False when the same feedback had been recorded before (idempotent repeat)
     domain: str
+    escalated: bool = False  # the verdict judged an escalation target's answer (kept apart from the domain's labels)

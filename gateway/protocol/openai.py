@@ -216,6 +216,16 @@ class ClusterOut(BaseModel):
     size: int
 
 
+class Escalation(BaseModel):
+    """Where an unsure answer went under an escalate policy, and what came back."""
+
+    target_model: str
+    confidence: float | None = None  # the served answer's confidence, when the target is a CALM gateway
+    target_abstained: bool | None = None  # a CALM target withheld its answer under its own policy
+    latency_ms: float
+    fallback: str | None = None  # the target failed: why, and the first answer stands (annotate) or is withheld
+
+
 class Calibration(BaseModel):
     confidence: float
     raw_confidence: float | None
@@ -230,6 +240,10 @@ class Calibration(BaseModel):
     policy_state: str | None = None  # guaranteed-risk policies: "guaranteed (n labels)" or the fallback in force
     method: Literal["token", "semantic"] | None = None  # free form: which confidence estimator
     clusters: list[ClusterOut] | None = None  # semantic: the samples grouped by agreement, largest first
+    # Escalate policies: the answer is the target's; `confidence` and `artifact_version` stay the first model's.
+    escalated: bool = False
+    escalation: Escalation | None = None
+    review_id: str | None = None  # review policies: the queued review of the withheld answer
 
 
 class UsageInfo(BaseModel):

@@ -4,19 +4,22 @@ key."""
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import Path as FastAPIPath
 from pydantic import ValidationError
 
 from gateway.errors import APIError
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
 from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
+from gateway.handoff_store import Review
 from gateway.protocol.admin import (
     KeyCreate, KeyCreated, KeyList, KeyOut, LabelledOpenQuestion, LabelUpload, LabelUploadResult, PolicyOut,
+    ReviewClosed, ReviewList, ReviewOut, ReviewVerdict,
 )
-from gateway.routers.deps import DomainPath, admin, checked_domain, documented, state
+from gateway.routers.deps import DOMAIN_PATTERN, DomainPath, admin, checked_domain, documented, state
 from gateway.state import GatewayState
 from gateway.store import VersionConflict
 
@@ -99,6 +102,45 @@ async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depend
                              else (q.question, q.options, q.answer) for q in upload.questions])
     return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
                              labels=len(gateway.store.labelled_answers(domain)[0]))
+
+
+# -- the review queue (review policies) ---------------------------------------------------------------------------------
+ReviewId = Annotated[str, FastAPIPath(pattern=r"^rev-[0-9a-f]{1,64}$")]
+
+
+def review_out(review: Review) -> dict:
+    return dict(id=review.id, domain=review.domain, response_id=review.response_id, request=review.request,
+                answer=review.answer, confidence=review.confidence, created_at=review.created_at,
+                status="open" if review.closed_at is None else "closed", correct=review.correct,
+                reviewer=review.reviewer, note=review.note, closed_at=review.closed_at)
+
+
+@router.get("/admin/reviews", responses=documented(400, 401, 403))
+async def list_reviews(status: Annotated[Literal["open", "closed", "all"], Query()] = "open",
+                       domain: Annotated[str | None, Query(pattern=DOMAIN_PATTERN)] = None,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 100, _: str = Depends(admin),
+                       gateway: GatewayState = Depends(state)) -> ReviewList:
+    found = await asyncio.to_thread(gateway.shared.handoff.store.reviews, status, domain, limit)
+    return ReviewList(data=[ReviewOut(**review_out(r)) for r in found])
+
+
+@router.post("/admin/reviews/{review_id}", responses=documented(400, 401, 403, 404, 409))
+async def close_review(review_id: ReviewId, verdict: ReviewVerdict, actor: str = Depends(admin),
+                       gateway: GatewayState = Depends(state)) -> ReviewClosed:
+    """The operator's verdict on the withheld answer: closes the review; the verdict is that answer's feedback."""
+    reviews = gateway.shared.handoff.store
+    review = await asyncio.to_thread(reviews.review, review_id)
+    if review is None:
+        raise APIError(404, f"no review with id {review_id!r}", "not_found_error", "review_id")
+    stored = await asyncio.to_thread(reviews.close_review, review_id, verdict.correct, actor, verdict.note)
+    if stored is None:
+        raise APIError(409, f"review {review_id!r} or its response already has a different verdict", "conflict_error",
+                       "correct")
+    if stored:
+        gateway.metrics.reviews.labels(review.domain, "closed").inc()
+        await asyncio.to_thread(gateway.shared.verdict_recorded, review.domain, verdict.correct)
+    closed = await asyncio.to_thread(reviews.review, review_id)
+    return ReviewClosed(**review_out(closed), recorded=stored)
 
 
 # -- client API keys ----------------------------------------------------------------------------------------------------

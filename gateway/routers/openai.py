@@ -15,6 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
+from gateway.escalation import HOP_HEADER
 from gateway.keys import ClientKey
 from gateway.limits import deadline
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
@@ -30,18 +31,24 @@ ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
 @router.post("/v1/chat/completions", responses=ANSWER_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, raw_request: Request,
                            x_calm_domain: str | None = Header(default=None), key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key)
+    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key, escalated_here(raw_request))
 
 
 @router.post("/v1/completions", responses=ANSWER_ERRORS)
 async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                       key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key)
+    return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key,
+                        escalated_here(raw_request))
 
 
 @router.get("/v1/models", responses=documented(401))
 async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)) -> ModelList:
     return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
+
+
+def escalated_here(raw_request: Request) -> bool:
+    """Another gateway escalated this request here (gateway/escalation.py): answer it, never hand it off again."""
+    return HOP_HEADER in raw_request.headers
 
 
 def serving(gateway: GatewayState, req: SamplingFields, domain: str) -> Deployment:
@@ -59,7 +66,7 @@ def serving(gateway: GatewayState, req: SamplingFields, domain: str) -> Deployme
 
 
 async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, domain_header: str | None,
-                 key: ClientKey | None) -> Response:
+                 key: ClientKey | None, escalated: bool = False) -> Response:
     start = time.perf_counter()
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
     try:
@@ -73,6 +80,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
                 service = deployment.service
                 ctx = service.prepare_chat(req, domain) if endpoint == "chat" else service.prepare_completion(req, domain)
                 ctx.drift = deployment is gateway.deployments.for_domain(domain)
+                ctx.handoff = not escalated
                 if req.stream:  # the slots are held until the stream's last chunk
                     stream = held_until_done(counted(gateway, endpoint, domain, service.stream(ctx)), deployment)
                     held = True

@@ -1,0 +1,133 @@
+"""What escalate and review policies store, in the gateway's database beside its responses (gateway/store.py).
+
+- escalations: one row per escalated choice (its response id, the first model's confidence, the target model and
+  its confidence); feedback on an escalated answer judges the target and is kept here, never as a label of the first
+  model, whose answer the caller did not see;
+- reviews: the queue an operator reads. Unlike every other table it holds text (the question and the first answer),
+  since judging them is its purpose; a verdict closes the review and becomes the feedback of its response, a label
+  of the first model's answer at its confidence (online ECE, guaranteed-risk fits).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, select, update
+from sqlalchemy.exc import IntegrityError
+
+from gateway.store import FEEDBACK, Store
+
+META = MetaData()
+ESCALATIONS = Table("escalations", META,
+                    Column("response_id", String(128), primary_key=True),
+                    Column("domain", String(64), nullable=False, index=True),
+                    Column("confidence", Float, nullable=False),
+                    Column("target_model", String(256), nullable=False),
+                    Column("target_confidence", Float),
+                    Column("correct", Integer),
+                    Column("created_at", Float, nullable=False))
+REVIEWS = Table("reviews", META,
+                Column("id", String(40), primary_key=True),
+                Column("domain", String(64), nullable=False, index=True),
+                Column("response_id", String(128), nullable=False),
+                Column("request", Text, nullable=False),
+                Column("answer", Text, nullable=False),
+                Column("confidence", Float, nullable=False),
+                Column("created_at", Float, nullable=False, index=True),
+                Column("closed_at", Float),
+                Column("correct", Integer),
+                Column("reviewer", String(64)),
+                Column("note", Text))
+
+
+@dataclass(frozen=True)
+class Review:
+    id: str
+    domain: str
+    response_id: str
+    request: dict  # the caller's messages or prompt, and options
+    answer: str
+    confidence: float
+    created_at: float
+    closed_at: float | None = None
+    correct: bool | None = None
+    reviewer: str | None = None
+    note: str | None = None
+
+
+class HandoffStore:
+    def __init__(self, store: Store):
+        self.db = store
+        store.create_tables(META)
+
+    # -- escalations ----------------------------------------------------------------------------------------------
+    def record_escalations(self, rows: list[tuple[str, str, float, str, float | None]]) -> None:
+        """(response id, domain, first confidence, target model, target confidence) per escalated choice."""
+        at = time.time()
+        with self.db._write() as c:
+            c.execute(ESCALATIONS.insert(), [dict(response_id=r, domain=d, confidence=conf, target_model=m,
+                                                  target_confidence=t, created_at=at) for r, d, conf, m, t in rows])
+
+    def escalation_domain(self, response_id: str) -> str | None:
+        with self.db.engine.connect() as c:
+            return c.execute(select(ESCALATIONS.c.domain).where(ESCALATIONS.c.response_id == response_id)).scalar()
+
+    def judge_escalation(self, response_id: str, correct: bool) -> bool | None:
+        """Feedback on an escalated answer, once: True stored now, False the same verdict was stored, None a different
+        one was (a conflict)."""
+        e = ESCALATIONS.c
+        with self.db._write() as c:
+            stored = c.execute(select(e.correct).where(e.response_id == response_id)).scalar()
+            if stored is not None:
+                return False if bool(stored) == correct else None
+            c.execute(update(ESCALATIONS).where(e.response_id == response_id).values(correct=int(correct)))
+        return True
+
+    # -- reviews --------------------------------------------------------------------------------------------------
+    def open_reviews(self, reviews: list[Review]) -> None:
+        with self.db._write() as c:
+            c.execute(REVIEWS.insert(), [dict(id=r.id, domain=r.domain, response_id=r.response_id,
+                                              request=json.dumps(r.request), answer=r.answer, confidence=r.confidence,
+                                              created_at=r.created_at) for r in reviews])
+
+    def reviews(self, status: str = "open", domain: str | None = None, limit: int = 100) -> list[Review]:
+        """Oldest first (the queue's order); status open, closed or all."""
+        r = REVIEWS.c
+        query = select(REVIEWS).order_by(r.created_at, r.id).limit(limit)
+        if status != "all":
+            query = query.where(r.closed_at.is_(None) if status == "open" else r.closed_at.is_not(None))
+        if domain is not None:
+            query = query.where(r.domain == domain)
+        with self.db.engine.connect() as c:
+            return [_review(row) for row in c.execute(query).mappings()]
+
+    def review(self, review_id: str) -> Review | None:
+        with self.db.engine.connect() as c:
+            row = c.execute(select(REVIEWS).where(REVIEWS.c.id == review_id)).mappings().first()
+        return _review(row) if row else None
+
+    def close_review(self, review_id: str, correct: bool, reviewer: str, note: str | None) -> bool | None:
+        """Close a review with its verdict and store that verdict as its response's feedback, in one transaction.
+        True closed now, False already closed with the same verdict, None closed with another (a conflict)."""
+        r = REVIEWS.c
+        try:
+            with self.db._write() as c:
+                row = c.execute(select(r.correct, r.response_id).where(r.id == review_id)).first()
+                if row is None:
+                    raise LookupError(review_id)
+                if row[0] is not None:
+                    return False if bool(row[0]) == correct else None
+                c.execute(update(REVIEWS).where(r.id == review_id).values(
+                    correct=int(correct), closed_at=time.time(), reviewer=reviewer, note=note))
+                c.execute(FEEDBACK.insert().values(response_id=row[1], correct=int(correct), at=time.time()))
+        except IntegrityError:  # its response already had feedback (from the caller): the review stays open
+            return None
+        return True
+
+
+def _review(row) -> Review:
+    return Review(row["id"], row["domain"], row["response_id"], json.loads(row["request"]), row["answer"],
+                  row["confidence"], row["created_at"], row["closed_at"],
+                  bool(row["correct"]) if row["correct"] is not None else None, row["reviewer"], row["note"])

@@ -1,0 +1,195 @@
+"""Escalate and review policies, their logic: the policy rules, the request the target gets, reading its answer back,
+and the hand-off through the app with a scripted engine (A at 0.7, B at 0.3) and a scripted target. The real round
+trip (real engines, the official client) is in tests/test_openai_conformance.py."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from gateway.escalation import HOP_HEADER, TargetFailed, letter_of, read_reply, target_request
+from gateway.policies import EscalationTarget, Policy
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from tests.test_gateway_logic import LetterEngine, science_app
+
+TARGET = {"url": "http://strong.example/v1", "model": "strong", "api_key_env": "STRONG_KEY", "timeout_s": 5.0}
+ADMIN = {"Authorization": "Bearer dev-admin-key"}
+
+
+def test_policy_rules_for_escalate_and_review():
+    policy = Policy.model_validate({"threshold": 0.6, "action": "escalate", "escalate": TARGET})
+    assert policy.escalate.on_failure == "annotate" and policy.escalate.protocol == "openai"
+    stored = policy.model_dump(mode="json")
+    assert stored["escalate"]["api_key_env"] == "STRONG_KEY" and "key" not in {k for k in stored["escalate"]
+                                                                                if not k.startswith("api_key")}
+    for bad, needle in [
+        ({"threshold": 0.6, "action": "escalate"}, "needs an `escalate` target"),
+        ({"threshold": 0.6, "escalate": TARGET}, "needs that action"),
+        ({"threshold": 0.6, "action": "annotate", "review": {}}, "goes with action `review`"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "api_key_file": "/run/key"}}, "not both"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "url": "strong:8000"}}, "pattern"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "api_key_env": "A KEY"}}, "pattern"),
+    ]:
+        with pytest.raises(ValidationError, match=needle):
+            Policy.model_validate(bad)
+    assert Policy.model_validate({"target_risk": 0.2, "delta": 0.1, "action": "review"}).review is None
+
+
+def test_the_target_gets_the_callers_request_with_options_as_letters_or_as_options():
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Largest?"}],
+        "options": ["ant", "whale"], "metadata": {"domain": "science"}, "stream": True, "seed": 3,
+        "calm": {"domain": "science", "version": "v1-abc", "threshold": 0.9}})
+    plain = EscalationTarget.model_validate(TARGET)
+    path, body = target_request(req, plain, 2, multiple_choice=True)
+    assert path == "/chat/completions" and body["model"] == "strong" and body["n"] == 2 and body["stream"] is False
+    assert body["temperature"] == 0.0 and body["seed"] == 3  # omitted temperature: greedy, as this gateway answers
+    assert not {"options", "calm", "metadata", "stream_options"} & set(body)
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert "A. ant\nB. whale" in body["messages"][1]["content"] and body["messages"][1]["content"].count("Largest?") == 1
+    calm = EscalationTarget.model_validate({**TARGET, "protocol": "calm"})
+    _, body = target_request(req, calm, 1, multiple_choice=True)
+    assert body["options"] == ["ant", "whale"] and body["messages"][1]["content"] == "Largest?"
+    assert body["calm"] == {"domain": "science", "threshold": 0.9} and body["metadata"] == {"domain": "science"}
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "Once", "max_tokens": 5, "logprobs": 2,
+                                                   "temperature": 0.7})
+    path, body = target_request(completion, plain, 1, multiple_choice=False)
+    assert path == "/completions" and body == {"model": "strong", "prompt": "Once", "max_tokens": 5, "logprobs": 2,
+                                               "temperature": 0.7, "n": 1, "stream": False, "echo": False}
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("B", "B"), ("B) whale", "B"), ("  (C). cat", "C"), ("The answer is C.", "C"), ("Answer: b", "B"),
+    ("I think it is the whale.", "B"), ("A whale, clearly: B", "B"), ("A or B", None), ("Neither.", None),
+    ("E", None),  # not one of the options
+])
+def test_the_letter_a_free_text_answer_names(text, letter):
+    assert letter_of(text, ("A", "B", "C"), ("ant", "whale", "cat")) == letter
+
+
+def test_reading_the_targets_reply():
+    payload = {"choices": [
+        {"index": 1, "message": {"content": "Lyon"}, "finish_reason": "stop"},
+        {"index": 0, "message": {"content": "Paris"}, "finish_reason": "stop",
+         "calibration": {"confidence": 0.91, "abstained": False},
+         "logprobs": {"content": [{"token": "Paris", "logprob": -0.1, "top_logprobs": [{"token": "Paris", "logprob": -0.1}]}]}}],
+        "usage": {"completion_tokens": 5}}
+    first, second = read_reply(payload, 2, chat=True, letters=None, options=None)
+    assert (first.text, first.confidence, first.abstained, first.completion_tokens) == ("Paris", 0.91, False, 3)
+    assert (second.text, second.confidence, second.completion_tokens) == ("Lyon", None, 2)
+    assert first.positions[0].token == "Paris" and first.positions[0].alternatives == (("Paris", -0.1),)
+    with pytest.raises(TargetFailed, match="2 asked"):
+        read_reply({"choices": payload["choices"][:1]}, 2, chat=True, letters=None, options=None)
+    with pytest.raises(TargetFailed, match="not an OpenAI completion"):
+        read_reply({"error": "nope"}, 1, chat=True, letters=None, options=None)
+    with pytest.raises(TargetFailed, match="names none of the options"):
+        read_reply({"choices": [{"message": {"content": "no idea"}}]}, 1, chat=True, letters=("A", "B"), options=None)
+
+
+def gateway_app(tmp_path, target):
+    """The app on the scripted engine, its escalation client answering through `target` (an httpx handler)."""
+    app = science_app(tmp_path, LetterEngine())
+    app.state.gateway.shared.handoff.escalator._client = httpx.AsyncClient(transport=httpx.MockTransport(target))
+    return app
+
+
+QUESTION = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "options": ["x", "y"],
+            "metadata": {"domain": "science"}}
+
+
+def test_unsure_answers_are_escalated_confident_ones_are_not_and_a_failing_target_falls_back(tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    seen = []
+
+    def target(request: httpx.Request) -> httpx.Response:
+        seen.append((request.headers, json.loads(request.content)))
+        if request.headers.get("authorization") != "Bearer s3cret":
+            return httpx.Response(401, json={"error": {"message": "bad key"}})
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "The answer is B."},
+                                                      "finish_reason": "stop"}], "usage": {"completion_tokens": 4}})
+
+    monkeypatch.setenv("STRONG_KEY", "s3cret")
+    with TestClient(gateway_app(tmp_path, target)) as client:
+        escalate = {"threshold": 0.8, "action": "escalate", "escalate": TARGET}
+        assert client.put("/admin/policies/science", json=escalate, headers=ADMIN).status_code == 200
+        assert "s3cret" not in json.dumps(client.get("/admin/policies/science", headers=ADMIN).json())
+        out = client.post("/v1/chat/completions", json=QUESTION).json()
+        choice = out["choices"][0]
+        assert choice["message"]["content"] == "B" and choice["calibration"]["escalated"]
+        assert choice["calibration"]["confidence"] == pytest.approx(0.7)  # the first model's, kept
+        assert choice["calibration"]["escalation"]["target_model"] == "strong"
+        headers, body = seen[-1]
+        assert headers[HOP_HEADER] == "1" and body["model"] == "strong" and "A. x\nB. y" in body["messages"][0]["content"]
+        # Feedback on the escalated answer judges the target: kept apart, not a label of the first model.
+        fb = client.post("/v1/feedback", json={"response_id": out["id"], "correct": True}).json()
+        assert fb["escalated"] and fb["recorded"]
+        metrics = client.get("/metrics").text
+        assert 'calm_escalated_feedback_total{correct="true",domain="science"} 1.0' in metrics
+        assert 'calm_feedback_total{correct="true",domain="science"}' not in metrics
+        assert 'calm_escalations_total{domain="science",outcome="escalated"} 1.0' in metrics
+        # Confident (a request another gateway escalated here is answered, never sent on).
+        calls = len(seen)
+        kept = client.post("/v1/chat/completions", json=QUESTION, headers={HOP_HEADER: "1"}).json()["choices"][0]
+        assert kept["message"]["content"] == "A" and not kept["calibration"]["escalated"] and len(seen) == calls
+        lower = {**escalate, "threshold": 0.5}
+        assert client.put("/admin/policies/science", json=lower, headers=ADMIN).status_code == 200
+        kept = client.post("/v1/chat/completions", json=QUESTION).json()["choices"][0]
+        assert kept["message"]["content"] == "A" and kept["calibration"]["escalation"] is None and len(seen) == calls
+        # The key is missing, then wrong: the first answer stands (annotate) or the message is sent (abstain).
+        monkeypatch.delenv("STRONG_KEY")
+        fell = client.post("/v1/chat/completions", json=QUESTION | {"calm": {"threshold": 0.9}}).json()["choices"][0]
+        assert fell["message"]["content"] == "A" and not fell["calibration"]["escalated"]
+        assert fell["calibration"]["escalation"]["fallback"].startswith("api_key: the environment variable STRONG_KEY")
+        monkeypatch.setenv("STRONG_KEY", "wrong")
+        withhold = {**escalate, "message": "Ask a person.", "escalate": {**TARGET, "on_failure": "abstain"}}
+        assert client.put("/admin/policies/science", json=withhold, headers=ADMIN).status_code == 200
+        fell = client.post("/v1/chat/completions", json=QUESTION | {"stream": True}).text
+        assert "Ask a person." in fell and "HTTP 401" in fell and '"escalated": false' in fell
+        metrics = client.get("/metrics").text
+        assert 'calm_escalation_errors_total{domain="science",reason="status"} 1.0' in metrics
+        assert 'calm_escalations_total{domain="science",outcome="fallback_abstain"} 1.0' in metrics
+
+
+def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tmp_path):
+    from fastapi.testclient import TestClient
+
+    posted = []
+
+    def webhook(request: httpx.Request) -> httpx.Response:
+        posted.append(json.loads(request.content))
+        return httpx.Response(204)
+
+    with TestClient(gateway_app(tmp_path, webhook)) as client:
+        policy = {"threshold": 0.8, "action": "review", "message": "A specialist will answer.",
+                  "review": {"webhook": "http://ops.example/hook"}}
+        assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
+        out = client.post("/v1/chat/completions", json=QUESTION).json()
+        choice = out["choices"][0]
+        assert choice["message"]["content"] == "A specialist will answer." and choice["calibration"]["abstained"]
+        review_id = choice["calibration"]["review_id"]
+        listed = client.get("/admin/reviews", headers=ADMIN).json()["data"]
+        assert [(r["id"], r["answer"], r["status"], r["response_id"]) for r in listed] == [
+            (review_id, "A", "open", out["id"])]
+        assert listed[0]["confidence"] == pytest.approx(0.7) and listed[0]["request"]["options"] == ["x", "y"]
+        closed = client.post(f"/admin/reviews/{review_id}", json={"correct": False, "note": "it is y"}, headers=ADMIN)
+        assert closed.status_code == 200 and closed.json()["status"] == "closed" and closed.json()["recorded"]
+        again = client.post(f"/admin/reviews/{review_id}", json={"correct": False}, headers=ADMIN).json()
+        assert again["recorded"] is False
+        conflict = client.post(f"/admin/reviews/{review_id}", json={"correct": True}, headers=ADMIN)
+        assert conflict.status_code == 409 and conflict.json()["error"]["type"] == "conflict_error"
+        assert client.post("/admin/reviews/rev-0", json={"correct": True}, headers=ADMIN).status_code == 404
+        assert client.get("/admin/reviews", params={"status": "closed"}, headers=ADMIN).json()["data"][0]["note"] == "it is y"
+        assert client.get("/admin/reviews", params={"status": "later"}, headers=ADMIN).status_code == 400
+        assert client.get("/admin/reviews").status_code == 401
+        metrics = client.get("/metrics").text
+        assert 'calm_feedback_total{correct="false",domain="science"} 1.0' in metrics
+        assert 'calm_online_accuracy{domain="science"} 0.0' in metrics
+        assert 'calm_reviews_total{domain="science",event="opened"} 1.0' in metrics
+        assert 'calm_reviews_total{domain="science",event="closed"} 1.0' in metrics
+        # The verdict is a label of the first model's answer at its confidence (guaranteed-risk fits read these).
+        assert client.app.state.gateway.store.labelled_answers("science") == ([pytest.approx(0.7)], [False])
+    assert posted and posted[0]["review_id"] == review_id and posted[0]["answer"] == "A"
