@@ -6,6 +6,7 @@ User errors (CalmError) print one line on stderr and exit with status 2; no trac
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -80,6 +81,30 @@ def keys_revoke(key_id: str):
     if not _store().revoke_client_key(key_id):
         raise CalmError(f"no active API key with id {key_id!r}")
     typer.echo(f"revoked {key_id}")
+
+
+reviews_app = typer.Typer(help="The review queue of review policies (in the gateway's database, CALM_DB_PATH).",
+                          no_args_is_help=True)
+app.add_typer(reviews_app, name="reviews")
+
+
+@reviews_app.command("list")
+@one_line_errors
+def reviews_list(
+    status: Annotated[str, typer.Option(help="open, closed or all")] = "open",
+    domain: Annotated[Optional[str], typer.Option(help="only this domain")] = None,
+    limit: Annotated[int, typer.Option(help="at most this many, oldest first")] = 100,
+):
+    """Reviews, oldest first: id, domain, age, the withheld answer and its confidence, the question (one JSON line
+    each with --status all for the verdicts too). Close one with POST /admin/reviews/{id} on a gateway."""
+    from gateway.handoff_store import HandoffStore
+
+    if status not in ("open", "closed", "all"):
+        raise CalmError("--status must be open, closed or all")
+    for review in HandoffStore(_store()).reviews(status, domain, limit):
+        typer.echo(json.dumps({"id": review.id, "domain": review.domain, "created_at": review.created_at,
+                               "answer": review.answer, "confidence": round(review.confidence, 4),
+                               "request": review.request, "correct": review.correct, "note": review.note}))
 
 
 @model_app.command("prepare")
@@ -282,24 +307,32 @@ def policy_fit(
     limit: Annotated[int, typer.Option(help="questions (0 = all)")] = 0,
     domain: Annotated[str, typer.Option(help="reference domain of the artifact (sequence start, label-free threshold)")] = "all",
     out: Annotated[Path, typer.Option(help="output folder")] = Path("reports/policy-fit"),
+    action: Annotated[str, typer.Option(help="abstain, escalate or review: what happens below the threshold")] = "abstain",
 ):
     """Guaranteed abstention threshold (Learn-then-Test) for an artifact on labelled questions; prints it with its
-    coverage, writes fit.json, scores.npz and selective_risk.png."""
+    coverage (escalate/review: the share handed off and the error rate of the answers kept), writes fit.json,
+    scores.npz and selective_risk.png."""
     from training.evaluate import DatasetSpec
     from training.policy_fit import PolicyFitConfig, run_policy_fit
 
     if not (0 < target_risk < 1 and 0 < delta < 1):
         raise CalmError("--target-risk and --delta must be between 0 and 1")
+    if action not in ("abstain", "escalate", "review"):
+        raise CalmError("--action must be abstain, escalate or review")
     s = run_policy_fit(PolicyFitConfig(artifact=str(artifact), dataset=DatasetSpec.parse(dataset), target_risk=target_risk,
-                                       delta=delta, limit=limit or None, domain=domain, out_dir=str(out)))
+                                       delta=delta, limit=limit or None, domain=domain, out_dir=str(out), action=action))
     g, lf = s["guaranteed"], s["label_free"]
+    handed = {"abstain": "withheld", "escalate": "escalated", "review": "sent to review"}[action]
     if g["threshold"] is None:
         typer.echo(f"no threshold keeps error ≤ {target_risk} with probability ≥ {1 - delta} on {s['n']} labels: "
-                   "abstain on everything, or accept a larger risk")
+                   f"every answer would be {handed}; accept a larger risk")
     else:
-        typer.echo(f"guaranteed threshold {g['threshold']:.2f}: coverage {g['coverage']:.3f}, error rate of the answers "
-                   f"let through {g['selective_risk']:.3f} on {s['n']} labels (α = {target_risk}, δ = {delta})")
-    typer.echo(f"label-free threshold {lf['threshold']:.2f}: coverage {lf['coverage']:.3f} (no guarantee)")
+        typer.echo(f"guaranteed threshold {g['threshold']:.2f}: {g['handed_off']:.1%} of answers {handed}, error rate of "
+                   f"the answers kept {g['selective_risk']:.3f} on {s['n']} labels (α = {target_risk}, δ = {delta})")
+    if lf["threshold"] is not None:
+        kept = f"{lf['selective_risk']:.3f}" if lf["selective_risk"] is not None else "n/a"
+        typer.echo(f"label-free threshold {lf['threshold']:.2f}: {lf['handed_off']:.1%} {handed}, error rate of the "
+                   f"answers kept {kept} (no guarantee)")
     typer.echo(f"wrote {out}/fit.json, scores.npz, selective_risk.png")
 
 

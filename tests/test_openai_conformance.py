@@ -4,6 +4,9 @@ server). Where both answer, the gateway's response must parse into the SDK's typ
 finish reasons, token strings, log-probs to 1e-3, usage) plus a calibration object per choice; where the gateway
 refuses a parameter by design, it must be a 400 in the OpenAI error shape that names the parameter.
 
+The same servers carry the escalate and review policies end to end: the in-process gateway answers first, vLLM's
+server (plain OpenAI) or the upstream gateway (a CALM gateway) is the stronger target.
+
 The suite records what it saw and writes the README's compatibility table (`reports/conformance.md`); the last test
 checks that the README carries that table.
 """
@@ -108,8 +111,9 @@ def identity_artifact(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory, identity_artifact, embedded_model_dir):
-    """vLLM's server, the gateway in-process, and the gateway upstream over that server (all identity heads)."""
+def stack(tmp_path_factory, identity_artifact, embedded_model_dir):
+    """vLLM's server, the gateway in-process, and the gateway upstream over that server (all identity heads): their
+    base URLs, and the in-process gateway's database."""
     tmp = tmp_path_factory.mktemp("conformance")
     engine_port, gw_port, up_port = free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
@@ -119,15 +123,18 @@ def clients(tmp_path_factory, identity_artifact, embedded_model_dir):
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp / "engine.log",
                  {**common, "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300), \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp / "gw.log",
-                 {**common, "CALM_DB_PATH": str(tmp / "gw.db")}), \
+                 {**common, "CALM_DB_PATH": str(tmp / "gw.db"), "CALM_DOMAINS": '["escalation", "triage"]'}), \
          running(calm_argv("serve", "--port", str(up_port)), f"http://127.0.0.1:{up_port}/health", tmp / "up.log",
                  {**common, "CALM_DB_PATH": str(tmp / "up.db"), "CALM_ENGINE": "upstream",
                   "CALM_UPSTREAM_URLS": f'["{engine_url}"]'}):
-        def client(url):
-            return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield {"vllm": engine_url, "inprocess": f"http://127.0.0.1:{gw_port}", "upstream": f"http://127.0.0.1:{up_port}",
+               "db": tmp / "gw.db"}
 
-        yield {"vllm": client(engine_url), "inprocess": client(f"http://127.0.0.1:{gw_port}"),
-               "upstream": client(f"http://127.0.0.1:{up_port}")}
+
+@pytest.fixture(scope="module")
+def clients(stack):
+    return {name: openai.OpenAI(base_url=f"{stack[name]}/v1", api_key="unused", max_retries=0, timeout=120)
+            for name in ("vllm", "inprocess", "upstream")}
 
 
 def call(client: openai.OpenAI, case: Case):
@@ -269,6 +276,130 @@ def test_n_choices_each_carry_their_own_calibration_and_take_feedback(clients):
     assert ok.status_code == 200 and ok.json()["recorded"] is True
     missing = httpx.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": True, "choice_index": 5})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "choice_index"
+
+
+# -- escalate and review policies on real servers: the in-process gateway first, vLLM's server or the upstream
+# gateway (a CALM gateway) as the target ---------------------------------------------------------------------------
+ADMIN = {"Authorization": "Bearer dev-admin-key"}
+QUESTIONS = [CAPITAL, COUNT, [{"role": "user", "content": "Name a colour."}],
+             [{"role": "user", "content": "Why is the sky blue? One sentence."}]]
+
+
+def vllm_requests(stack) -> float:
+    """Requests vLLM's server has finished (its own Prometheus counter)."""
+    import httpx
+
+    text = httpx.get(f"{stack['vllm']}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{"))
+
+
+def put_policy(stack, domain: str, policy: dict) -> None:
+    import httpx
+
+    r = httpx.put(f"{stack['inprocess']}/admin/policies/{domain}", json=policy, headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+
+def test_unsure_answers_come_from_the_target_confident_ones_from_the_first_model(stack, clients):
+    first = clients["inprocess"]
+    ask = dict(model=MODEL, max_tokens=8, temperature=0.0, metadata={"domain": "escalation"})
+    before = [first.chat.completions.create(messages=q, **ask).choices[0] for q in QUESTIONS]
+    confidences = sorted(c.model_extra["calibration"]["confidence"] for c in before)
+    threshold = (confidences[0] + confidences[-1]) / 2
+    put_policy(stack, "escalation", {"threshold": threshold, "action": "escalate", "escalate": {
+        "url": f"{stack['vllm']}/v1", "model": MODEL, "timeout_s": 60}})
+    for question, was in zip(QUESTIONS, before):
+        calls = vllm_requests(stack)
+        got = first.chat.completions.create(messages=question, **ask).choices[0]
+        cal = got.model_extra["calibration"]
+        unsure = was.model_extra["calibration"]["confidence"] < threshold
+        assert cal["escalated"] == unsure and cal["confidence"] == pytest.approx(was.model_extra["calibration"]["confidence"])
+        assert vllm_requests(stack) - calls == (1 if unsure else 0)  # the target was asked exactly when unsure
+        if unsure:
+            direct = clients["vllm"].chat.completions.create(messages=question, model=MODEL, max_tokens=8, temperature=0)
+            assert got.message.content == direct.choices[0].message.content and cal["escalation"]["target_model"] == MODEL
+        else:
+            assert got.message.content == was.message.content and cal["escalation"] is None
+    unsure = next(q for q, c in zip(QUESTIONS, before) if c.model_extra["calibration"]["confidence"] < threshold)
+    streamed, _ = _merge_stream(list(first.chat.completions.create(messages=unsure, stream=True, **ask)))
+    assert streamed[0]["calibration"]["escalated"] and streamed[0]["text"] == got_text(clients, unsure)
+    calls = vllm_requests(stack)  # n = 2, both below (the request's stricter threshold): both from the target
+    both = first.chat.completions.create(messages=CAPITAL, n=2, extra_body={"calm": {"threshold": 1.0}},
+                                         **{**ask, "temperature": 1.0, "seed": 5})
+    assert [c.model_extra["calibration"]["escalated"] for c in both.choices] == [True, True]
+    assert vllm_requests(stack) - calls == 2  # vLLM counts each of the n sequences
+
+
+def got_text(clients, question) -> str:
+    return clients["vllm"].chat.completions.create(messages=question, model=MODEL, max_tokens=8,
+                                                   temperature=0).choices[0].message.content
+
+
+def test_a_calm_target_scores_the_options_itself_and_its_confidence_is_passed_on(stack, clients):
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Which planet is largest?"}],
+               extra_body={"options": ["Mars", "Jupiter", "Venus"]})
+    put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "escalate": {
+        "url": f"{stack['upstream']}/v1", "model": MODEL, "timeout_s": 60, "protocol": "calm"}})
+    got = clients["inprocess"].chat.completions.create(metadata={"domain": "escalation"}, **ask).choices[0]
+    direct = clients["upstream"].chat.completions.create(**ask).choices[0]
+    cal, theirs = got.model_extra["calibration"], direct.model_extra["calibration"]
+    assert cal["escalated"] and cal["mode"] == "multiple_choice" and got.message.content == direct.message.content
+    assert cal["escalation"]["confidence"] == pytest.approx(theirs["confidence"], abs=1e-6)
+
+
+def test_a_target_down_or_slow_gets_the_fallback_within_its_timeout(stack, clients):
+    import socket
+
+    silent = socket.socket()  # accepts connections and never answers: a hung target
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    first, ask = clients["inprocess"], dict(model=MODEL, messages=CAPITAL, max_tokens=8, metadata={"domain": "escalation"})
+    try:
+        put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "escalate": {
+            "url": f"http://127.0.0.1:{free_port()}/v1", "model": "strong", "timeout_s": 30}})
+        down = first.chat.completions.create(**ask).choices[0]
+        assert down.message.content == got_text(clients, CAPITAL)  # annotate: the first answer stands
+        assert down.model_extra["calibration"]["escalation"]["fallback"].startswith("connect:")
+        put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "message": "Ask a person.", "escalate": {
+            "url": f"http://127.0.0.1:{silent.getsockname()[1]}/v1", "model": "strong", "timeout_s": 1.5,
+            "on_failure": "abstain"}})
+        slow = first.chat.completions.create(**ask).choices[0]
+        assert slow.message.content == "Ask a person." and slow.model_extra["calibration"]["abstained"]
+        assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: no answer within 1.5 s")
+        streamed, _ = _merge_stream(list(first.chat.completions.create(stream=True, **ask)))
+        assert streamed[0]["text"] == "Ask a person." and streamed[0]["finish"] is not None
+    finally:
+        silent.close()
+    import httpx
+
+    metrics = httpx.get(f"{stack['inprocess']}/metrics").text
+    for line in ('calm_escalation_errors_total{domain="escalation",reason="connect"} 1.0',
+                 'calm_escalation_errors_total{domain="escalation",reason="timeout"} 2.0',
+                 'calm_escalations_total{domain="escalation",outcome="fallback_abstain"} 2.0'):
+        assert line in metrics, line
+
+
+def test_a_review_round_trip_becomes_counted_feedback(stack, clients):
+    import subprocess
+
+    import httpx
+
+    put_policy(stack, "triage", {"threshold": 1.0, "action": "review", "message": "A specialist will answer."})
+    out = clients["inprocess"].chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8,
+                                                       metadata={"domain": "triage"})
+    cal = out.choices[0].model_extra["calibration"]
+    assert out.choices[0].message.content == "A specialist will answer." and cal["abstained"] and cal["review_id"]
+    listed = subprocess.run(calm_argv("reviews", "list", "--domain", "triage"), capture_output=True, text=True,
+                            env={**__import__("os").environ, "CALM_DB_PATH": str(stack["db"])}, check=True).stdout
+    (queued,) = [json.loads(line) for line in listed.splitlines()]
+    assert queued["id"] == cal["review_id"] and queued["answer"] == got_text(clients, CAPITAL)
+    closed = httpx.post(f"{stack['inprocess']}/admin/reviews/{cal['review_id']}", json={"correct": True}, headers=ADMIN)
+    assert closed.status_code == 200 and closed.json()["status"] == "closed"
+    metrics = httpx.get(f"{stack['inprocess']}/metrics").text
+    for line in ('calm_feedback_total{correct="true",domain="triage"} 1.0', 'calm_online_accuracy{domain="triage"} 1.0',
+                 'calm_reviews_total{domain="triage",event="closed"} 1.0'):
+        assert line in metrics, line
 
 
 def render_table() -> str:
