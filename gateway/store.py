@@ -1,7 +1,8 @@
 """Persistence through one data layer (SQLAlchemy Core) on SQLite (the embedded default) or PostgreSQL (replicas
 sharing one database): policies with a versioned audit log, responses and their feedback, risk fits, client keys.
 
-Only what the product needs is stored: response id, domain, confidence, time. Never prompt or answer text.
+Only what the product needs is stored: response id, domain, confidence, time. Never prompt or answer text (the one
+exception is the review queue of review policies, gateway/handoff_store.py, which exists to show them to an operator).
 Writes are transactions, so a crash loses at most the write in flight, never what was stored before. Policy writes
 take a row lock (PostgreSQL `SELECT … FOR UPDATE`; SQLite's single writer), so concurrent writers on several replicas
 get a version conflict, not a lost update.

@@ -71,6 +71,7 @@ BLOCKS = [
     Block("open-ended-report", "calm report --task open-ended --out reports/open-ended",
           REPO / "reports" / "open-ended" / "report.md", report_body),
     Block("fleet", "python benchmarks/bench_fleet.py", RESULTS / "fleet.md"),
+    Block("escalation-latency", "python benchmarks/bench_escalation.py", RESULTS / "escalation.md"),
     Block("dashboard", "python benchmarks/dashboard_run.py", RESULTS / "dashboard.md"),
 ]
 
