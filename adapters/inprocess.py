@@ -29,9 +29,12 @@ def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
             index=completion.index,
         )
         if not started and out.prompt_logprobs:
-            ids = out.prompt_token_ids or []
-            delta.prompt_logprobs = [float(p[t].logprob) if p and t in p else float("nan")
-                                     for t, p in zip(ids, out.prompt_logprobs)]
+            # Read after the prefix cache (`reuse_prefix`), the rows of the cached positions are not computed (what they
+            # hold is stale), nor the first one after them (its logits are the last cached position's): NaN.
+            ids, cached = out.prompt_token_ids or [], getattr(out, "num_cached_tokens", 0) or 0
+            known_from = cached + 1 if cached else 0
+            delta.prompt_logprobs = [float(p[t].logprob) if i >= known_from and p and t in p else float("nan")
+                                     for i, (t, p) in enumerate(zip(ids, out.prompt_logprobs))]
         for tok, position in zip(completion.token_ids, completion.logprobs or []):
             delta.token_logprobs.append(float(position[tok].logprob) if tok in position else float("nan"))
             delta.top_logprobs.append({int(t): float(lp.logprob) for t, lp in position.items()})
@@ -88,6 +91,9 @@ class InProcessVLLMEngine:
         self.folded_scoring = config.folded_model_path is not None
         self.free_form_mode = config.free_form_model_path is not None
         self.prompt_logprobs = True  # returns prompt log-probs (raw free-form confidence, one-pass scoring)
+        # Prompt log-probs may be read after the prefix cache (`reuse_prefix`), where every engine caches prefixes, in
+        # blocks of `prefix_block` tokens (both read from the engines once started).
+        self.prefix_reuse, self.prefix_block = False, 0
         self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" | "free_form" -> AsyncLLM
         self._keys: dict[str, tuple] = {}  # the same -> its key in SHARED
 
@@ -144,6 +150,9 @@ class InProcessVLLMEngine:
         if failed:
             await self.close()  # the engines this version already acquired are released too
             raise failed[0]
+        caches = [engine.vllm_config.cache_config for engine in self._engines.values()]
+        self.prefix_reuse = self.config.option_prefix_reuse and all(c.enable_prefix_caching for c in caches)
+        self.prefix_block = max(c.block_size for c in caches)
 
     def _engine_for(self, request: EngineRequest):
         if request.folded:
@@ -179,6 +188,10 @@ class InProcessVLLMEngine:
             extra_args=self._head_args(request),
             prompt_logprobs=0 if request.prompt_logprobs else None,
         )
+        if request.prompt_logprobs and request.reuse_prefix and self.prefix_reuse:
+            # vLLM skips the cache for prompt log-probs by default. Read anyway, the cached rows are stale token ids
+            # that its detokenizer cannot decode: scoring needs no text.
+            kwargs.update(skip_reading_prefix_cache=False, detokenize=False)
         if request.option_token_ids:
             kwargs.update(logprob_token_ids=list(request.option_token_ids))
             if request.restrict_to_options:

@@ -103,6 +103,7 @@ class EngineConfig:
     free_form_model_path: str | None = None
     free_form_artifact_path: str | None = None
     registry_dir: str | None = None  # where versions named per request are looked up (a fleet's shared registry)
+    option_prefix_reuse: bool = True  # one-pass options read the question's cached blocks (needs prefix caching)
 
     @property
     def registry_root(self) -> str:

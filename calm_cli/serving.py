@@ -58,6 +58,7 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
         inner = artifact.free_form
         free_form = dict(free_form_model_path=str(merged_model_dir(model.path, inner)),
                          free_form_artifact_path=str(inner.path))
+    common["option_prefix_reuse"] = settings.option_prefix_reuse
     if engine.adapter_mode == "lora":  # one engine applies the adapter per request (vLLM's multi-LoRA kernels)
         return EngineConfig(**common, **lora, folded_model_path=folded, **free_form)
     return EngineConfig(**common, merged_model_path=str(merged_model_dir(model.path, artifact)) if adapter else None,

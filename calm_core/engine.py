@@ -40,6 +40,9 @@ class EngineRequest:
     adapter: bool = False  # run with the artifact's LoRA adapter (engines serving one); else the base weights
     folded: bool = False  # run on the weights with the α head folded into the LM head (engines with `folded_scoring`)
     prompt_logprobs: bool = False  # also return the log-prob of every prompt token (taken before logits processors)
+    # With prompt_logprobs: read the engine's prefix cache anyway. The prompt's cached blocks are not recomputed, so
+    # their positions come back as NaN; only the tokens after them get log-probs (engines with `prefix_reuse`).
+    reuse_prefix: bool = False
     free_form: bool = False  # run on the artifact's free-form mode: its weights and its α head (`free_form_mode`)
     # OpenAI / vLLM sampling parameters, passed to the engine unchanged (defaults: vLLM's "off" values).
     n: int = 1  # completions from one prompt; vLLM gives child i the seed `seed + i`
@@ -106,6 +109,7 @@ class EngineClient(Protocol):
     artifact_version: str
     max_model_len: int
     folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
+    # Optional: `prefix_reuse` (honours `reuse_prefix`) and `prefix_block` (tokens per cache block), in-process vLLM.
     free_form_mode: bool  # serves `free_form` requests: the artifact's free-form weights and head
     prompt_logprobs: bool  # answers `prompt_logprobs` requests (raw free-form confidence needs them)
 

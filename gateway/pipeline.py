@@ -16,7 +16,7 @@ from functools import partial
 
 from calm_core.engine import EngineClient, EngineOutput
 from calm_core.prompts import PreparedPrompt
-from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob
+from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob, ScoringPath
 from calm_core.scorers.registry import Scorers
 from gateway.errors import APIError
 from gateway.group_commit import GroupCommit
@@ -117,7 +117,11 @@ class CalibratedService:
             free = "base weights, no α head"
         else:
             free = "α head in the logits processor"
-        return {"multiple_choice": self.scorers[self.scorers.multiple_choice].description, "free_form": free}
+        options = self.scorers[self.scorers.multiple_choice].description
+        if getattr(self.engine, "prefix_reuse", False) and self.scorers.multiple_choice is ScoringPath.CLOZE_ONE_PASS:
+            options += (f"; questions of {self.engine.prefix_block}+ tokens are read once: the options after the first "
+                        "read them from vLLM's prefix cache")
+        return {"multiple_choice": options, "free_form": free}
 
     # -- prepare ------------------------------------------------------------------------------------------------------
     def domain_of(self, req: SamplingFields, header: str | None) -> str:

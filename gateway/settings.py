@@ -74,6 +74,7 @@ class GatewaySettings(BaseSettings):
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True
+    option_prefix_reuse: bool = True  # one-pass options after the first read the question from vLLM's prefix cache
     risk_refit_every: int = Field(default=25, ge=1)  # guaranteed-risk policies: refit after this many new verdicts
 
     @property

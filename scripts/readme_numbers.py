@@ -72,6 +72,7 @@ BLOCKS = [
           REPO / "reports" / "open-ended" / "report.md", report_body),
     Block("fleet", "python benchmarks/bench_fleet.py", RESULTS / "fleet.md"),
     Block("escalation-latency", "python benchmarks/bench_escalation.py", RESULTS / "escalation.md"),
+    Block("long-mc", "python benchmarks/bench_long_mc.py", RESULTS / "long_mc.md"),
     Block("dashboard", "python benchmarks/dashboard_run.py", RESULTS / "dashboard.md"),
 ]
 

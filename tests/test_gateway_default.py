@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from calm_core.data import load_mc
+from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
 from tests.servers import background, calm_argv, free_port, watch_start
 
@@ -67,6 +68,7 @@ def test_ready_flips_to_200_exactly_when_the_first_answer_is_served(started):
 def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
     health = httpx.get(f"{gateway}/health").json()
     assert health["scoring"]["multiple_choice"].startswith("cloze one-pass:"), health["scoring"]
+    assert "prefix cache" in health["scoring"]["multiple_choice"], health["scoring"]
 
 
 def test_shipped_artifact_is_a_trained_calm_head_on_cloze(shipped_artifact):
@@ -84,6 +86,9 @@ def test_default_gateway_scores_options_by_cloze_through_the_shipped_head(client
     head = shipped_artifact.head
     atol, raw_atol = option_tolerances(gateway)  # 1e-3 in fp32 (CPU); the bf16 budget where the engine runs bf16 (GPU)
     questions = [q for q in load_mc("arc_easy", "test", root=shared_data) if q.n_options == 4][:5]
+    # Two questions long enough for the later options to read the question from vLLM's prefix cache.
+    questions += [q for q in load_mc("mmlu", "test", root=shared_data) if q.n_options == 4 and len(
+        tokenizer(cloze_prompt(q.question), add_special_tokens=False)["input_ids"]) >= 300][:2]
     moved = 0
     for q in questions:
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q.question}],

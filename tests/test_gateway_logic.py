@@ -217,6 +217,44 @@ def test_one_pass_cloze_scoring_reads_each_option_from_one_request():
     assert not any(r.folded for r in engine.requests[2:])
 
 
+class PrefixCacheEngine(PromptLogprobEngine):
+    """PromptLogprobEngine with a prefix cache of 2-token blocks: a `reuse_prefix` request gets NaN for the positions
+    of the full blocks an earlier request already computed (as vLLM's prompt log-probs read after its cache)."""
+
+    prefix_reuse, prefix_block = True, 2
+
+    def __init__(self):
+        super().__init__()
+        self.blocks: set[tuple[int, ...]] = set()
+
+    async def stream(self, request):
+        ids = request.prompt_token_ids
+        async for delta in super().stream(request):
+            cached = 0
+            while request.reuse_prefix and cached + 2 < len(ids) and tuple(ids[: cached + 2]) in self.blocks:
+                cached += 2  # never the whole prompt: its last token is always computed
+            delta.prompt_logprobs[:cached] = [math.nan] * cached
+            self.blocks |= {tuple(ids[:end]) for end in range(2, len(ids) + 1, 2)}
+            yield delta
+
+
+def test_one_pass_options_after_the_first_read_the_question_from_the_prefix_cache():
+    import asyncio
+
+    from calm_core.engine import EngineRequest
+    from calm_core.scorers.options import ClozeOnePassScorer
+
+    engine = PrefixCacheEngine()
+    # Options 1 and 2 share the question's cached blocks; option 2 shares (1, 2, 3, 40) with option 0, so its own first
+    # token comes out of the cache: it is asked again without the cache.
+    tokens = ClozeTokens(prompt=(1, 2, 3), options=((40, 41), (50,), (40, 42)))
+    template = EngineRequest(request_id="r", prompt="Question: ...")
+    scores = asyncio.run(ClozeOnePassScorer(engine).option_scores(tokens, template, calibrated=True))
+    np.testing.assert_allclose(scores, [-(3.40 + 4.41) / 2 - 1, -3.50 - 1, -(3.40 + 4.42) / 2 - 1])
+    sent = [(r.request_id, r.reuse_prefix) for r in engine.requests]
+    assert sent == [("r-0", False), ("r-1", True), ("r-2", True), ("r-2-whole", False)]
+
+
 def test_one_table_classifies_errors_for_handlers_metrics_and_streams():
     from calm_core.engine import EngineRejected, EngineUnavailable
     from gateway.errors import APIError, classify

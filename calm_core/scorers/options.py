@@ -136,18 +136,40 @@ class ClozeOnePassScorer(_ClozeScorer):
     async def option_scores(self, tokens: ClozeTokens, request: EngineRequest, calibrated: bool) -> np.ndarray:
         """The prompt log-probs of each option's tokens after the question. Prompt log-probs skip logits processors, so
         the calibrated run reads the weights that carry the α head (`folded`) and the raw run the unfolded weights,
-        the processor switched off in both."""
+        the processor switched off in both.
+
+        On an engine with `prefix_reuse`, the first option is read alone and fills vLLM's prefix cache; the others then
+        read the question's full cache blocks instead of recomputing them, and only their tails get prompt log-probs.
+        An option whose own tokens came out of the cache (an earlier prompt shared them up to a block boundary) is
+        asked again without the cache."""
         n_prompt = len(tokens.prompt)
-        jobs = [replace(request, request_id=f"{request.request_id}-{k}", prompt="",
-                        prompt_token_ids=tokens.prompt + option, max_tokens=1, temperature=0.0, top_p=1.0, seed=None,
-                        n=1, option_token_ids=(), top_logprobs=0, prompt_logprobs=True, folded=calibrated,
-                        calibrated=False)
-                for k, option in enumerate(tokens.options)]
-        outs = await asyncio.gather(*(generate(self.engine, job) for job in jobs))
+
+        def job(k: int, option: tuple[int, ...], reuse: bool) -> EngineRequest:
+            return replace(request, request_id=f"{request.request_id}-{k}{'' if reuse or k == 0 else '-whole'}",
+                           prompt="", prompt_token_ids=tokens.prompt + option, max_tokens=1, temperature=0.0, top_p=1.0,
+                           seed=None, n=1, option_token_ids=(), top_logprobs=0, prompt_logprobs=True,
+                           folded=calibrated, calibrated=False, reuse_prefix=reuse)
+
+        def option_logprobs(option: tuple[int, ...], out: EngineOutput) -> list[float]:
+            return (out.prompt_logprobs or [])[n_prompt : n_prompt + len(option)]
+
+        def complete(option: tuple[int, ...], lps: list[float]) -> bool:
+            return len(lps) == len(option) and all(math.isfinite(lp) for lp in lps)
+
+        options = tokens.options
+        # Worth it once the question fills a cache block; shorter ones would only wait for the first option.
+        if getattr(self.engine, "prefix_reuse", False) and len(options) > 1 and n_prompt >= self.engine.prefix_block:
+            first = await generate(self.engine, job(0, options[0], reuse=False))
+            outs = [first, *await asyncio.gather(*(generate(self.engine, job(k, o, reuse=True))
+                                                   for k, o in enumerate(options[1:], 1)))]
+        else:
+            outs = await asyncio.gather(*(generate(self.engine, job(k, o, reuse=False)) for k, o in enumerate(options)))
         per_option = []
-        for option, out in zip(tokens.options, outs):
-            lps = (out.prompt_logprobs or [])[n_prompt : n_prompt + len(option)]
-            if len(lps) != len(option) or not all(math.isfinite(lp) for lp in lps):
+        for k, (option, out) in enumerate(zip(options, outs)):
+            lps = option_logprobs(option, out)
+            if not complete(option, lps) and k > 0:
+                lps = option_logprobs(option, await generate(self.engine, job(k, option, reuse=False)))
+            if not complete(option, lps):
                 raise EngineUnavailable("the engine returned no prompt log-probs for an option")
             per_option.append(lps)
         return cloze_scores(per_option)
