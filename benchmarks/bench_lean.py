@@ -73,8 +73,10 @@ class Proxies:
 
     def start(self, tag: str) -> dict[str, str]:
         gw, pt = free_port(), free_port()
+        # One registry folder with the engine: the gateway names its version per request, the engine looks it up there.
         env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([self.upstream]),
-               "CALM_DB_PATH": str(self.logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(self.identity)}
+               "CALM_DB_PATH": str(self.logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(self.identity),
+               "CALM_REGISTRY_DIR": str(self.logs / "registry")}
         self.stack.enter_context(running(self._pin(calm_argv("serve", "--port", str(gw))),
                                          f"http://127.0.0.1:{gw}/health", self.logs / f"gateway-{tag}.log", env=env))
         litellm = self.stack.enter_context(litellm_proxy(MODEL, f"{self.upstream}/v1", self.logs / f"litellm-{tag}",
@@ -147,7 +149,7 @@ def engine_part(logs: Path, identity: Path, key: str, questions: list[str], per_
                 rounds: int, own_core: bool) -> dict:
     """`own_core`: the engine pinned to core 1 (its OpenMP threads bound there), proxies and clients to core 0, as a
     GPU engine leaves the host's cores to the proxy; otherwise everything shares every core."""
-    settings = GatewaySettings(artifact=str(identity))
+    settings = GatewaySettings(artifact=str(identity), registry_dir=logs / "registry")
     port = free_port()
     argv, env = engine_server_command(settings, "127.0.0.1", port)
     if own_core:

@@ -1,0 +1,152 @@
+"""Where the gateway's added latency in front of the real engine goes: the request it sends, changed one step at a
+time from the direct call it is compared with, then the gateway itself, at concurrency 1, in one run.
+
+    python benchmarks/bench_added_latency.py --out benchmarks/results [--rounds 3] [--questions 32]
+
+`calm engine` (vLLM on CPU, the embedded model, identity artifact) alone on core 1; the gateway (upstream mode) and
+this client on core 0, as bench_lean.py's engine part runs. Free-form chat questions (TriviaQA), 16 tokens, greedy.
+Each question is sent once per variant in a row (the order rotating per question), so every variant meets the same
+machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call.
+
+Variants, each one change from the previous:
+  chat+logprobs        the direct baseline of lean.md: /v1/chat/completions, logprobs, top_logprobs 5, JSON
+  completions-ids      /v1/completions with the chat template's token ids as prompt, logprobs 5, JSON
+  +stream              the same streamed (SSE, usage chunk)
+  +token-ids-out       return_tokens_as_token_ids (what the gateway parses)
+  +alpha-head          the α head named per request (vllm_xargs): exactly the gateway's payload
+                       (adapters/upstream.py `_payload`)
+  gateway              the same question through `calm serve` in upstream mode
+Results: added_latency.json and added_latency.md in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from adapters.upstream import _payload  # noqa: E402
+from calm_cli.serving import engine_server_command  # noqa: E402
+from calm_core.data import load_open  # noqa: E402
+from calm_core.engine import EngineRequest  # noqa: E402
+from gateway.settings import GatewaySettings  # noqa: E402
+from tests.servers import calm_argv, free_port, running  # noqa: E402
+
+MODEL = GatewaySettings.model_fields["served_model_name"].default
+MAX_TOKENS = 16
+TOP = 5
+
+
+def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]:
+    """Each variant's (path, body) for one question."""
+    messages = [{"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
+            "top_logprobs": TOP}
+    plain = {"model": MODEL, "prompt": list(ids), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": TOP,
+             "add_special_tokens": False}
+    streamed = {**plain, "stream": True, "stream_options": {"include_usage": True}}
+    ids_out = {**streamed, "return_tokens_as_token_ids": True}
+    exact = _payload(MODEL, head, EngineRequest("bench", prompt="", prompt_token_ids=tuple(ids), max_tokens=MAX_TOKENS,
+                                                temperature=0.0, top_logprobs=TOP))
+    gateway = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    return {"chat+logprobs": ("/v1/chat/completions", chat), "completions-ids": ("/v1/completions", plain),
+            "+stream": ("/v1/completions", streamed), "+token-ids-out": ("/v1/completions", ids_out),
+            "+alpha-head": ("/v1/completions", exact), "gateway": ("/v1/chat/completions", gateway)}
+
+
+def timed(client: httpx.Client, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    with client.stream("POST", url, json=body) as response:
+        for _ in response.iter_bytes():
+            pass
+        if response.status_code != 200:
+            raise SystemExit(f"{url} answered {response.status_code}")
+    return (time.perf_counter() - started) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=32)
+    args = parser.parse_args()
+    logs = REPO / "benchmarks" / "results" / "logs" / "added-latency"
+    logs.mkdir(parents=True, exist_ok=True)
+    from training.artifacts import write_identity_artifact
+    from training.scoring import load_tokenizer
+    from calm_core.models import resolve_model
+
+    identity = logs / "identity"
+    if not identity.is_dir():
+        write_identity_artifact(identity, with_reference=False)
+    tokenizer = load_tokenizer(resolve_model(None, "float32").path)
+    questions = [q.question for q in load_open("triviaqa")[: args.questions]]
+    registry = logs / "registry"  # one folder: the gateway names its version per request, the engine looks it up there
+    settings = GatewaySettings(artifact=str(identity), registry_dir=registry)
+    port, gw = free_port(), free_port()
+    argv, env = engine_server_command(settings, "127.0.0.1", port)
+    engine, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw}"
+    os.sched_setaffinity(0, {0})
+    samples: dict[str, dict[int, list[float]]] = {}
+    with ExitStack() as stack:
+        stack.enter_context(running(["taskset", "-c", "1", *argv], f"{engine}/health", logs / "engine.log",
+                                    env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}, timeout=300))
+        gw_env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([engine]), "CALM_ARTIFACT": str(identity),
+                  "CALM_DB_PATH": str(logs / "gateway.sqlite3"), "CALM_REGISTRY_DIR": str(registry)}
+        stack.enter_context(running(["taskset", "-c", "0", *calm_argv("serve", "--port", str(gw))], f"{gateway}/health",
+                                    logs / "gateway.log", env=gw_env))
+        head = httpx.get(f"{gateway}/health").json()["artifact_version"]
+        client = stack.enter_context(httpx.Client(timeout=120))
+        for q in questions[:4]:  # warm-up
+            for name, (path, body) in variants(tokenizer, q, head).items():
+                timed(client, (gateway if name == "gateway" else engine) + path, body)
+        for r in range(args.rounds):
+            for i, q in enumerate(questions):
+                named = list(variants(tokenizer, q, head).items())
+                k = (i + r) % len(named)
+                for name, (path, body) in named[k:] + named[:k]:
+                    base = gateway if name == "gateway" else engine
+                    samples.setdefault(name, {}).setdefault(i, []).append(timed(client, base + path, body))
+            print(f"round {r + 1} done", flush=True)
+    os.sched_setaffinity(0, range(os.cpu_count()))
+    per_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in samples.items()}
+    base = per_q["chat+logprobs"]
+    names = list(per_q)
+    results = {name: {"p50_ms": statistics.median(per_q[name].values()),
+                      "vs_direct_ms": statistics.median(per_q[name][i] - base[i] for i in base),
+                      "step_ms": (statistics.median(per_q[name][i] - per_q[names[k - 1]][i] for i in base)
+                                  if k else 0.0)}
+               for k, name in enumerate(names)}
+    results["_run"] = {"questions": len(questions), "rounds": args.rounds, "max_tokens": MAX_TOKENS}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "added_latency.json").write_text(json.dumps(results, indent=2))
+    (args.out / "added_latency.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+def markdown(r: dict) -> str:
+    run = r["_run"]
+    lines = [f"`python benchmarks/bench_added_latency.py` (one run, {run['questions']} TriviaQA questions x "
+             f"{run['rounds']} rounds, {run['max_tokens']} tokens greedy, concurrency 1; `calm engine` alone on core 1, "
+             "gateway and client on core 0):", "",
+             "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) |",
+             "|---|---:|---:|---:|"]
+    for name, x in r.items():
+        if not name.startswith("_"):
+            lines.append(f"| {name} | {x['p50_ms']:.1f} | {x['vs_direct_ms']:+.1f} ms | {x['step_ms']:+.1f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
