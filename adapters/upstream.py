@@ -101,7 +101,13 @@ DOWN_S = 10.0  # an upstream that failed is tried last for this long
 
 
 class _UpstreamDown(Exception):
-    """This upstream cannot serve now: try the next one."""
+    """This upstream cannot serve now: try the next one. `unanswered`: the connection was closed before any answer
+    (a kept-alive connection the other side had just closed, e.g. a balancer after a server behind it died), so the
+    request reached no engine and may be sent again at once."""
+
+    def __init__(self, message: str, unanswered: bool = False):
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 class UpstreamVLLMEngine:
@@ -154,18 +160,22 @@ class UpstreamVLLMEngine:
             raise EngineUnavailable("upstream client not started")
         failures = []
         for url in self._order():
-            started = False
-            try:
-                async for delta in self._stream_from(url, request):
-                    started = True
-                    yield delta
-                self._down_until.pop(url, None)
-                return
-            except _UpstreamDown as e:
-                if started:
-                    raise EngineUnavailable(str(e)) from None
-                self._down_until[url] = time.monotonic() + DOWN_S
-                failures.append(str(e))
+            for again in (False, True):
+                started = False
+                try:
+                    async for delta in self._stream_from(url, request):
+                        started = True
+                        yield delta
+                    self._down_until.pop(url, None)
+                    return
+                except _UpstreamDown as e:
+                    if started:
+                        raise EngineUnavailable(str(e)) from None
+                    if e.unanswered and not again:
+                        continue  # once more on a fresh connection: with one balancer URL there is no next upstream
+                    self._down_until[url] = time.monotonic() + DOWN_S
+                    failures.append(str(e))
+                    break
         raise EngineUnavailable("; ".join(failures) or "no upstream")
 
     def route(self, request: EngineRequest) -> tuple[str, str]:
@@ -177,9 +187,11 @@ class UpstreamVLLMEngine:
         return (name if adapter else self.model_name), name
 
     async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        answered = False
         try:
             model, head = self.route(request)
             async with self._client.post(f"{url}/v1/completions", json=_payload(model, head, request)) as resp:
+                answered = True
                 if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
@@ -201,7 +213,8 @@ class UpstreamVLLMEngine:
         except asyncio.TimeoutError:
             raise _UpstreamDown(f"upstream {url} timed out") from None
         except aiohttp.ClientError as e:
-            raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})") from None
+            unanswered = not answered and isinstance(e, aiohttp.ServerDisconnectedError)
+            raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})", unanswered) from None
 
     def describe(self) -> dict:
         return {"kind": "upstream", "urls": self.urls, "engines": self.engine_urls,

@@ -202,3 +202,40 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
     seen.clear()
     with pytest.raises(EngineUnavailable, match="unreachable.*HTTP 500"):
         asyncio.run(run(["down", "broken"]))
+
+
+def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one():
+    """With one balancer URL there is no next upstream: a request whose connection is closed before any answer (a
+    kept-alive connection the balancer had just closed) is sent once more, on a new connection, and answered."""
+    import asyncio
+
+    from calm_core.engine import EngineRequest, generate
+    from adapters.upstream import UpstreamVLLMEngine
+
+    sse = (b'data: {"choices": [{"index": 0, "text": "Paris", "finish_reason": "stop", "logprobs": null}], '
+           b'"usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
+    connections = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        connections.append(writer)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        if len(connections) > 1:  # the first connection is closed without an answer
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(sse), sse))
+            await writer.drain()
+        writer.close()
+
+    async def run():
+        port = free_port()
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        engine = UpstreamVLLMEngine([f"http://127.0.0.1:{port}"], MODEL, "v", 2048)
+        await engine.start()
+        try:
+            return await generate(engine, EngineRequest(request_id="r", prompt="q"))
+        finally:
+            await engine.close()
+            server.close()
+
+    assert asyncio.run(run()).text == "Paris" and len(connections) == 2
