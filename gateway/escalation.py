@@ -15,15 +15,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from calm_core.prompts import letter_user_message, parse_options_question
+from calm_core.prompts import letter_user_message
 from gateway.logprobs import Position
 from gateway.policies import EscalationTarget
+from gateway.prompting import options_of
 from gateway.protocol.openai import ChatCompletionRequest, SamplingFields
 
 HOP_HEADER = "X-Calm-Escalated"
@@ -48,19 +48,6 @@ class TargetAnswer:
     positions: list[Position] = field(default_factory=list)  # the target's log-probs, when the caller asked for them
     confidence: float | None = None  # a CALM target's calibrated confidence of this answer
     abstained: bool | None = None  # a CALM target withheld its own answer under its policy
-
-
-@dataclass(frozen=True)
-class TargetReply:
-    answers: list[TargetAnswer]
-    latency_s: float
-
-
-def options_of(req: SamplingFields) -> tuple[str, tuple[str, ...]] | None:
-    """(question, option texts) of a multiple-choice request: its `options`, or options written in the question."""
-    if req.options:
-        return req.question_text(), tuple(req.options)
-    return parse_options_question(req.question_text())
 
 
 def target_request(req: SamplingFields, target: EscalationTarget, n: int,
@@ -183,9 +170,8 @@ class Escalator:
         return self._client
 
     async def ask(self, target: EscalationTarget, req: SamplingFields, n: int,
-                  letters: tuple[str, ...] | None) -> TargetReply:
+                  letters: tuple[str, ...] | None) -> list[TargetAnswer]:
         """The target's answers, or TargetFailed once `target.timeout_s` has passed, whatever the target does."""
-        started = time.perf_counter()
         path, body = target_request(req, target, n, letters is not None)
         headers = {HOP_HEADER: "1"}
         key = api_key(target)
@@ -205,9 +191,8 @@ class Escalator:
             payload = response.json()
         except ValueError:
             raise TargetFailed("invalid", "the target's response is not JSON") from None
-        mc = options_of(req) if letters is not None else None
-        answers = read_reply(payload, n, isinstance(req, ChatCompletionRequest), letters, mc[1] if mc else None)
-        return TargetReply(answers, time.perf_counter() - started)
+        mc = options_of(req.question_text(), req.options) if letters is not None else None
+        return read_reply(payload, n, isinstance(req, ChatCompletionRequest), letters, mc[1] if mc else None)
 
     async def close(self) -> None:
         if self._client is not None:

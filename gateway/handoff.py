@@ -22,13 +22,12 @@ from gateway.handoff_store import HandoffStore, Review
 from gateway.monitoring import Metrics
 from gateway.policies import Action
 from gateway.protocol.openai import Escalation
-from gateway.wire import Answer, Served, response_key
+from gateway.wire import Answer, Served, no_positions, response_key
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
 
 log = logging.getLogger("calm.gateway")
-_NO_POSITIONS = lambda: []  # noqa: E731 - a withheld answer shows no log-probs of the text it replaces
 
 
 class Handoff:
@@ -49,17 +48,18 @@ class Handoff:
     async def _escalate(self, served: Served, unsure: list[int], ctx: RequestContext) -> None:
         target, domain, started = ctx.policy.escalate, ctx.domain, time.perf_counter()
         try:
-            reply = await self.escalator.ask(target, ctx.request, len(unsure), ctx.prompt.option_letters)
+            replies = await self.escalator.ask(target, ctx.request, len(unsure), ctx.prompt.option_letters)
         except TargetFailed as failure:
             self._fall_back(served, unsure, ctx, failure, time.perf_counter() - started)
             return
-        self.metrics.escalation_latency.labels(domain).observe(reply.latency_s)
+        seconds = time.perf_counter() - started
+        self.metrics.escalation_latency.labels(domain).observe(seconds)
         self.metrics.escalations.labels(domain, "escalated").inc(len(unsure))
         rows = []
-        for i, theirs in zip(unsure, reply.answers):
+        for i, theirs in zip(unsure, replies):
             first = served.answers[i].calibration
             info = Escalation(target_model=target.model, confidence=theirs.confidence,
-                              target_abstained=theirs.abstained, latency_ms=reply.latency_s * 1000)
+                              target_abstained=theirs.abstained, latency_ms=seconds * 1000)
             served.answers[i] = Answer(theirs.text, theirs.finish_reason,
                                        first.model_copy(update=dict(escalated=True, escalation=info)),
                                        theirs.completion_tokens, lambda p=theirs.positions: p)
@@ -83,7 +83,7 @@ class Handoff:
             info = Escalation(target_model=target.model, latency_ms=seconds * 1000, fallback=why)
             calibration = answer.calibration.model_copy(update=dict(escalation=info, abstained=withhold))
             served.answers[i] = (replace(answer, text=ctx.policy.message, calibration=calibration,
-                                         positions=_NO_POSITIONS) if withhold
+                                         positions=no_positions) if withhold
                                  else replace(answer, calibration=calibration))
 
     # -- review -------------------------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ class Handoff:
             review = Review(f"rev-{uuid.uuid4().hex[:24]}", ctx.domain, response_key(served.response_id, i), request,
                             answer.text, answer.calibration.confidence, now)
             reviews.append(review)
-            served.answers[i] = replace(answer, text=ctx.policy.message, positions=_NO_POSITIONS,
+            served.answers[i] = replace(answer, text=ctx.policy.message, positions=no_positions,
                                         calibration=answer.calibration.model_copy(
                                             update=dict(abstained=True, review_id=review.id)))
         await asyncio.to_thread(self.store.open_reviews, reviews)  # stored before the caller hears of them

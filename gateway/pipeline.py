@@ -33,7 +33,7 @@ from gateway.protocol.openai import Calibration, ChatCompletionRequest, ClusterO
 from gateway.retraining import CaptureBook
 from gateway.settings import GatewaySettings
 from gateway.store import Store
-from gateway.wire import Answer, Served, WireView, response_key
+from gateway.wire import Answer, Served, WireView, no_positions, response_key
 
 
 @dataclass
@@ -195,7 +195,7 @@ class CalibratedService:
             options=options, policy_state=policy.state, method=scoring.method.value if scoring.method else None,
             clusters=clusters)
         return Answer(policy.message if abstained else choice.text, choice.finish_reason, calibration,
-                      choice.completion_tokens, (lambda: []) if abstained else self._positions(choice, letters))
+                      choice.completion_tokens, no_positions if abstained else self._positions(choice, letters))
 
     def _positions(self, choice: ScoredChoice, letters):
         if choice.output is None:  # the answer's one log-prob is the chosen option's, under the options' distribution

@@ -15,14 +15,15 @@ from calm_core.prompts import (
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
-def _options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, ...]] | None:
+def options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, ...]] | None:
+    """(question, option texts) of a multiple-choice question: the request's `options`, or options written in the text."""
     return (text, tuple(options)) if options else parse_options_question(text)
 
 
 def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    if answer_format == "cloze" and (found := _options_of(messages[last_user]["content"], req.options)):
+    if answer_format == "cloze" and (found := options_of(messages[last_user]["content"], req.options)):
         return options_prompt(tokenizer, *found, "cloze")
     letters = None
     if req.options:
@@ -36,7 +37,7 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFor
 
 def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    if answer_format == "cloze" and (found := _options_of(prompt, req.options)):
+    if answer_format == "cloze" and (found := options_of(prompt, req.options)):
         return options_prompt(tokenizer, *found, "cloze")
     if req.options:
         return PreparedPrompt(letter_user_message(prompt, req.options) + "\nAnswer: ", LETTERS[: len(req.options)])

@@ -18,6 +18,11 @@ def response_key(response_id: str, choice_index: int) -> str:
     return response_id if choice_index == 0 else f"{response_id}#{choice_index}"
 
 
+def no_positions() -> list:
+    """The positions of a withheld answer: none (no log-probs of the text it replaces)."""
+    return []
+
+
 @dataclass
 class Answer:
     """One choice of a response, whatever its wire format."""
