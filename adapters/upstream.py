@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+import msgspec
 
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import HEAD_ARG_KEY, OPT_OUT_KEY, served_name
@@ -32,7 +33,7 @@ _VLLM_DEFAULTS = dict(n=1, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_p
 
 
 def _token_id(token: str) -> int:
-    return int(token.rsplit(":", 1)[1])
+    return int(token[9:]) if token.startswith("token_id:") else int(token.rsplit(":", 1)[1])
 
 
 def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
@@ -69,6 +70,33 @@ def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
     elif head is not None:
         body["vllm_xargs"] = {HEAD_ARG_KEY: head}
     return body
+
+
+_JSON = {"content-type": "application/json"}
+_encode = msgspec.json.Encoder().encode
+
+
+def _decode(data: bytes):
+    """An SSE event's JSON (msgspec: a fifth of the stdlib's time per event); the stdlib's parser for what strict JSON
+    refuses (NaN or Infinity literals)."""
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return json.loads(data)
+
+
+async def _sse_data(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The data of each SSE event, split from whatever arrived (one await per network read, not one per line: reading
+    line by line was the largest share of the upstream call at the gateway's ceiling)."""
+    tail = b""
+    async for piece in content.iter_any():
+        lines = (tail + piece).split(b"\n") if tail else piece.split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: "):
+                yield line[6:].strip()
+    if tail.startswith(b"data: "):
+        yield tail[6:].strip()
 
 
 def _stream_error(error: dict) -> Exception:
@@ -190,7 +218,8 @@ class UpstreamVLLMEngine:
         answered = False
         try:
             model, head = self.route(request)
-            async with self._client.post(f"{url}/v1/completions", json=_payload(model, head, request)) as resp:
+            body = _encode(_payload(model, head, request))
+            async with self._client.post(f"{url}/v1/completions", data=body, headers=_JSON) as resp:
                 answered = True
                 if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
@@ -199,13 +228,10 @@ class UpstreamVLLMEngine:
                     raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
                 # Read to the end of the body, past [DONE]: a connection whose body was left unread is closed, not
                 # reused, and a new connection per request costs more than the rest of the request.
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
+                async for data in _sse_data(resp.content):
                     if data == b"[DONE]":
                         continue
-                    chunk = json.loads(data)
+                    chunk = _decode(data)
                     if "error" in chunk:
                         raise _stream_error(chunk["error"])
                     for delta in _deltas(chunk):

@@ -177,6 +177,20 @@ wrk.body = '{body}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer {key}"
 """
+# Each request a different question in turn: what caches keyed by the request (the gateway's chat template renders)
+# cannot serve.
+WRK_DISTINCT = """bodies = {{ {bodies} }}
+i = 0
+request = function()
+  i = i % #bodies + 1
+  return wrk.format("POST", nil, {{["Content-Type"] = "application/json", ["Authorization"] = "Bearer {key}"}}, bodies[i])
+end
+"""
+DISTINCT = ("gateway", "passthrough")
+
+
+def lua_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def run_wrk(url: str, script: Path, seconds: int, connections: int) -> dict:
@@ -192,12 +206,15 @@ def run_wrk(url: str, script: Path, seconds: int, connections: int) -> dict:
 
 
 def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int, connections: int,
-                 profile: Path | None) -> dict:
+                 profile: Path | None, questions: list[str]) -> dict:
     port = free_port()
     upstream = f"http://127.0.0.1:{port}"
-    script = logs / "ceiling.lua"
+    script, distinct = logs / "ceiling.lua", logs / "ceiling-distinct.lua"
     script.write_text(WRK_SCRIPT.format(body=json.dumps(chat_body("What is the capital of France?")), key=key))
+    distinct.write_text(WRK_DISTINCT.format(bodies=", ".join(lua_string(json.dumps(chat_body(q))) for q in questions),
+                                            key=key))
     runs: dict[str, list[dict]] = {t: [] for t in PROXIES}
+    distinct_runs: dict[str, list[dict]] = {t: [] for t in DISTINCT}
     alone: dict[str, list[float]] = {t: [] for t in ("direct", *PROXIES)}  # p50 at concurrency 1
     with ExitStack() as stack:
         stack.enter_context(running(["taskset", "-c", "1", sys.executable, str(REPO / "benchmarks" / "instant_upstream.py"),
@@ -209,6 +226,9 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
             for t in PROXIES[r % len(PROXIES):] + PROXIES[: r % len(PROXIES)]:
                 runs[t].append(run_wrk(urls[t], script, seconds, connections))
                 print(f"ceiling round {r + 1}: {t} {runs[t][-1]['rps']:.0f} rps", flush=True)
+            for t in DISTINCT:
+                distinct_runs[t].append(run_wrk(urls[t], distinct, seconds, connections))
+                print(f"ceiling round {r + 1}: {t}, distinct questions {distinct_runs[t][-1]['rps']:.0f} rps", flush=True)
             # One request at a time: the latency a proxy adds by itself (no engine time, no queueing).
             for t, url in {"direct": upstream, **urls}.items():
                 alone[t].append(run_wrk(url, script, max(seconds // 2, 3), 1)["p50_ms"])
@@ -221,6 +241,10 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
             spy.wait()
     out = {t: {"rps": statistics.median(x["rps"] for x in rs), "p50_ms": statistics.median(x["p50_ms"] for x in rs),
                "runs": rs} for t, rs in runs.items()}
+    for t, rs in distinct_runs.items():
+        out[t]["distinct_rps"] = statistics.median(x["rps"] for x in rs)
+        out[t]["distinct_runs"] = rs
+    out["distinct_questions"] = len(questions)
     direct = statistics.median(alone["direct"])
     for t in PROXIES:
         out[t]["c1_p50_ms"] = statistics.median(alone[t])
@@ -232,8 +256,8 @@ def ceiling_part(logs: Path, identity: Path, key: str, rounds: int, seconds: int
 # Stages of a request: a sample counts for the stage of its innermost frame that belongs to one.
 STAGES = (
     ("response records (group commit, SQLite)", ("GroupCommit", "record_responses", "sqlalchemy/", "sqlite3")),
-    ("upstream call (aiohttp client, SSE parsing)", ("aiohttp/", "_stream_from", "_deltas", "_payload")),
-    ("chat template", ("prepare_chat", "render_chat", "jinja2/")),
+    ("upstream call (aiohttp client, SSE parsing)", ("aiohttp/", "_stream_from", "_deltas", "_payload", "_sse_data", "_decode")),
+    ("chat template", ("prepare_chat", "render_chat", "_rendered", "jinja2/")),
     ("request checks (limits, sampling parameters)", ("engine_request",)),
     ("confidence, policy, metrics, drift", ("free_answers", "_calibration", "DomainMonitor", "prometheus_client/",
                                             "calm_core/scoring", "policies.py")),
@@ -297,7 +321,8 @@ def main() -> None:
     for part in args.parts:
         if part == "ceiling":
             results[part] = ceiling_part(logs, identity, key, args.rounds, args.seconds, args.connections,
-                                         logs / "gateway-profile.txt" if args.profile else None)
+                                         logs / "gateway-profile.txt" if args.profile else None,
+                                         [q.question for q in load_open("triviaqa")][:1000])
             results["ceiling_setup"] = {"seconds": args.seconds, "rounds": args.rounds, "connections": args.connections}
             if args.profile:
                 results["profile"] = profile_summary(logs / "gateway-profile.txt")
@@ -339,13 +364,20 @@ def markdown(r: dict) -> str:
     if "ceiling" not in r:
         return "\n".join(lines) + "\n"
     s = r["ceiling_setup"]
+    c = r["ceiling"]
     lines += [f"Ceiling: each proxy pinned to one core, instant upstream, wrk with {s['connections']} connections, "
-              f"{s['rounds']} interleaved rounds of {s['seconds']} s (median):", "",
-              "| proxy | requests/s | p50 ms | runs (requests/s) | added p50 ms at concurrency 1 |", "|---|---|---|---|---|"]
+              f"{s['rounds']} interleaved rounds of {s['seconds']} s (median); the same question in every request "
+              f"(the issue's measure), and {c.get('distinct_questions', 0)} distinct TriviaQA questions in turn (no "
+              "cache keyed by the request helps):", "",
+              "| proxy | requests/s | ratio to pass-through | p50 ms | runs (requests/s) | distinct questions: requests/s "
+              "(ratio) | added p50 ms at concurrency 1 |", "|---|---|---|---|---|---|---|"]
     for t in PROXIES:
-        c = r["ceiling"][t]
-        runs = ", ".join(f"{x['rps']:.0f}" for x in c["runs"])
-        lines.append(f"| {t} | {c['rps']:.0f} | {c['p50_ms']:.1f} | {runs} | {c.get('c1_added_ms', float('nan')):+.2f} |")
+        runs = ", ".join(f"{x['rps']:.0f}" for x in c[t]["runs"])
+        ratio = c[t]["rps"] / c["passthrough"]["rps"]
+        distinct = (f"{c[t]['distinct_rps']:.0f} ({c[t]['distinct_rps'] / c['passthrough']['distinct_rps']:.3f})"
+                    if "distinct_rps" in c[t] else "-")
+        lines.append(f"| {t} | {c[t]['rps']:.0f} | {ratio:.3f} | {c[t]['p50_ms']:.1f} | {runs} | {distinct} | "
+                     f"{c[t].get('c1_added_ms', float('nan')):+.2f} |")
     if r.get("profile"):
         lines += ["", "Where the gateway's CPU goes at its ceiling (py-spy, samples of the thread holding the GIL):", "",
                   "| stage | share |", "|---|---|"]

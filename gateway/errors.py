@@ -120,12 +120,17 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
+def classified_response(exc: Exception, path: str) -> JSONResponse:
+    """The error response of an exception raised while serving `path` (logged with its traceback when unexpected)."""
+    error = classify(exc)
+    if error.unexpected:
+        log.error("unhandled error on %s", path, exc_info=exc)
+    return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def _classified(request: Request, exc: Exception):
-        error = classify(exc)
-        if error.unexpected:
-            log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
+        return classified_response(exc, request.url.path)
 
     for kind in (APIError, EngineRejected, EngineUnavailable, OperationalError, InterfaceError, Exception):
         app.add_exception_handler(kind, _classified)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from functools import lru_cache
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -66,6 +67,13 @@ class Metrics:
                                              "review stays in the database queue)", ["domain"], registry=registry)
         self.registry_syncs = Counter("calm_registry_syncs_total", "Registry polls completed (ok) or failed (error): a stalled "
                                       "count means promotions are not reaching this replica", ["outcome"], registry=registry)
+        # The children the request path updates on every answer, looked up once per label set: prometheus_client's
+        # `labels()` (a lock, a tuple, a dict) was a few percent of a request at the gateway's ceiling. Their label
+        # values are bounded (endpoints x known domains x statuses).
+        self.requests_of = lru_cache(maxsize=4096)(self.requests.labels)
+        self.latency_of = lru_cache(maxsize=1024)(self.latency.labels)
+        self.answer_children = lru_cache(maxsize=1024)(
+            lambda domain: (self.answers.labels(domain), self.confidence.labels(domain), self.entropy.labels(domain)))
 
 
 def reference_mean(ref: ReferenceHistogram) -> float:
@@ -119,9 +127,10 @@ class DomainMonitor:
     def observe_answer(self, domain: str, confidence: float, entropy: float, below: bool, abstained: bool,
                        drift: bool = True) -> None:
         m = self.metrics
-        m.answers.labels(domain).inc()
-        m.confidence.labels(domain).observe(confidence)
-        m.entropy.labels(domain).observe(entropy)
+        answers, confidences, entropies = m.answer_children(domain)
+        answers.inc()
+        confidences.observe(confidence)
+        entropies.observe(entropy)
         if below:
             m.below_threshold.labels(domain).inc()
         if abstained:

@@ -4,7 +4,7 @@ starts from (sampling parameters, limits, which of the artifact's weights and he
 from __future__ import annotations
 
 import json
-import uuid
+import os
 from dataclasses import dataclass
 
 from calm_core.artifact import LoadedArtifact
@@ -58,7 +58,7 @@ class RequestPlanner:
         # The artifact's weights and head serve the answers they were fitted for.
         free_form = not prompt.multiple_choice and self.free_form_mode
         fitted = prompt.multiple_choice or not self.artifact.multiple_choice_only
-        common = dict(request_id=uuid.uuid4().hex, prompt=prompt.text, temperature=req.temperature or 0.0,
+        common = dict(request_id=os.urandom(16).hex(), prompt=prompt.text, temperature=req.temperature or 0.0,
                       top_p=req.top_p or 1.0, seed=req.seed, calibrated=fitted or free_form,
                       adapter=fitted and self.artifact.has_adapter and not free_form, free_form=free_form, n=req.n)
         if prompt.multiple_choice:

@@ -8,6 +8,8 @@ the served head was fitted: the letter format under the chat template, or, for c
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from calm_core.prompts import (
     LETTERS, AnswerFormatName, PreparedPrompt, detect_option_letters, letter_user_message, options_prompt,
     parse_options_question, render_chat,
@@ -32,7 +34,25 @@ def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFor
         letters = LETTERS[: len(req.options)]
     else:
         letters = detect_option_letters(messages[last_user]["content"])
-    return PreparedPrompt(render_chat(tokenizer, messages), letters)
+    return PreparedPrompt(rendered(tokenizer, messages), letters)
+
+
+CACHED_CHARS = 4096  # conversations up to this many characters are kept: at most 2048 x 4 KB of keys and prompts
+
+
+def rendered(tokenizer, messages: list[dict[str, str]]) -> str:
+    if sum(len(m["content"]) for m in messages) > CACHED_CHARS:
+        return render_chat(tokenizer, messages)
+    return _rendered(tokenizer, tuple((m["role"], m["content"]) for m in messages))
+
+
+@lru_cache(maxsize=2048)
+def _rendered(tokenizer, messages: tuple[tuple[str, str], ...]) -> str:
+    """The chat template's text for these messages, rendered once while they keep coming (a sandboxed Jinja render
+    was the largest share of the gateway's own work per short request, benchmarks/bench_lean.py --profile): repeated
+    conversations (a fixed system prompt and question, retries, evaluation runs, probes) skip it. Bounded: at most
+    2048 short conversations are kept, the least recently used dropped first."""
+    return render_chat(tokenizer, [{"role": role, "content": content} for role, content in messages])
 
 
 def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:

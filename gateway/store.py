@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from calm_core.db import Database
@@ -136,11 +137,10 @@ class Store(Database):
         """Several (id, domain, confidence) in one transaction (the choices of one response); ids already stored are
         left as they are."""
         at = time.time()
+        insert = (sqlite.insert if self.sqlite else postgresql.insert)(RESPONSES).on_conflict_do_nothing(
+            index_elements=[RESPONSES.c.id])  # one statement, no read first: this runs for every answer served
         with self._write() as c:
-            known = set(c.execute(select(RESPONSES.c.id).where(RESPONSES.c.id.in_([r[0] for r in rows]))).scalars())
-            fresh = [dict(id=i, domain=d, confidence=conf, created_at=at) for i, d, conf in rows if i not in known]
-            if fresh:
-                c.execute(RESPONSES.insert(), fresh)
+            c.execute(insert, [dict(id=i, domain=d, confidence=conf, created_at=at) for i, d, conf in rows])
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self.engine.connect() as c:

@@ -93,11 +93,11 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
     except Exception as e:
         count_error(gateway, endpoint, domain, e)
         raise
-    gateway.metrics.requests.labels(endpoint, domain, "200").inc()
+    gateway.metrics.requests_of(endpoint, domain, "200").inc()
     if held:
         return StreamingResponse(gateway.in_flight.hold_stream(stream), media_type="text/event-stream",
                                  headers=calibration_headers(None, domain, service.engine.artifact_version))
-    gateway.metrics.latency.labels(endpoint, domain).observe(time.perf_counter() - start)
+    gateway.metrics.latency_of(endpoint, domain).observe(time.perf_counter() - start)
     first = body.choices[0].calibration
     return Response(body.model_dump_json(), media_type="application/json",
                     headers=calibration_headers(first, first.domain, first.artifact_version))
@@ -106,7 +106,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
 def count_error(gateway: GatewayState, endpoint: str, domain: str, exc: BaseException) -> ErrorClass:
     error = classify(exc)
     gateway.metrics.errors.labels(endpoint, domain, error.type).inc()
-    gateway.metrics.requests.labels(endpoint, domain, str(error.status)).inc()
+    gateway.metrics.requests_of(endpoint, domain, str(error.status)).inc()
     return error
 
 

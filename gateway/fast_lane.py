@@ -1,0 +1,110 @@
+"""The answer routes' fast lane: a valid POST to /v1/chat/completions or /v1/completions is served straight from ASGI.
+
+FastAPI stays the contract: the routes, their OpenAPI schema and every other path are its, and so is every request
+the lane does not take. The lane only skips the framework's per-request machinery on the hot path (routing, the
+dependency solver, reading the body through a Request, validating a dict built by the stdlib JSON parser), which was
+the largest share of the gateway's CPU at its ceiling (benchmarks/bench_lean.py --profile). It takes a request only
+when the framework would hand the same body to the same handler: a JSON (or untyped) body that validates, parsed by
+pydantic-core in one step from the bytes. Anything else (invalid JSON, a validation error, another content type) is
+replayed to FastAPI untouched, so each refusal keeps the framework's exact answer.
+
+It runs before the framework's middleware stack (whose layers cost more than the lane's own work per request), so it
+keeps the size limit itself: a body over the limit goes to the stack, whose BodySizeLimit refuses it.
+The handler and the error responses are the routers' own (`gateway.routers.openai.answer`, `classified_response`).
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from gateway.errors import classified_response
+from gateway.escalation import HOP_HEADER
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.routers.openai import answer
+from gateway.state import GatewayState
+
+ROUTES = {"/v1/chat/completions": ("chat", ChatCompletionRequest), "/v1/completions": ("completions", CompletionRequest)}
+_HOP = HOP_HEADER.lower().encode()
+_WANTED = (b"authorization", b"content-length", b"content-type", b"x-calm-domain", _HOP)
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, str]:
+    """The headers the answer routes read, first occurrence of each (as Starlette's `Headers.get`)."""
+    found: dict[bytes, str] = {}
+    for name, value in raw:
+        if name in _WANTED and name not in found:
+            found[name] = value.decode("latin-1")
+    return found
+
+
+def _json_body(content_type: str | None) -> bool:
+    """FastAPI parses a body as JSON without a content type or with application/json or application/*+json."""
+    if content_type is None:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+async def _read(receive, max_bytes: int) -> tuple[list[bytes], bool, bool]:
+    """(the body's pieces, the client still there, the body within `max_bytes`): reading stops past the limit."""
+    chunks, seen, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return chunks, False, True
+        chunks.append(message.get("body", b""))
+        seen += len(chunks[-1])
+        more = message.get("more_body", False)
+        if seen > max_bytes:
+            return chunks, True, False
+    return chunks, True, True
+
+
+class FastLane:
+    """ASGI app in front of the FastAPI app's whole middleware stack (`app`); `state` is the app's GatewayState. A body
+    over `max_bytes` is left to the stack's size limit (BodySizeLimit answers 413)."""
+
+    def __init__(self, app, state: GatewayState, max_bytes: int):
+        self.app, self.state, self.max_bytes = app, state, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        route = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            return await self.app(scope, receive, send)
+        headers = _headers(scope["headers"])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self.app(scope, receive, send)
+        chunks, connected, within = await _read(receive, self.max_bytes)
+        if not connected:
+            return None
+        body = b"".join(chunks) if within else b""
+        request = None
+        if body and _json_body(headers.get(b"content-type")):
+            try:
+                request = route[1].model_validate_json(body)
+            except ValidationError:
+                request = None
+        if request is None:  # the framework answers it, exactly as without the lane
+            return await self.app(scope, _replay(chunks, within, receive), send)
+        try:
+            key = self.state.keyring.authenticate(headers.get(b"authorization"))
+            response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key,
+                                    _HOP in headers)
+        except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
+            response = classified_response(e, scope["path"])
+        await response(scope, receive, send)
+        return None
+
+
+def _replay(chunks: list[bytes], complete: bool, receive):
+    """`receive` for the framework: the pieces already read, then (a body read only up to the limit) the rest."""
+    pending = list(chunks)
+
+    async def replayed():
+        if pending:
+            piece = pending.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pending) or not complete}
+        return await receive()
+
+    return replayed
