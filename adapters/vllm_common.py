@@ -29,6 +29,7 @@ MULTI_LORA_RANK = 64  # rank room of an engine that serves every version's adapt
 # Also installed as vLLM's plugin (entry point group `vllm.logits_processors`, pyproject.toml): a stock `vllm serve`
 # in this environment loads it without --logits-processors.
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
+WARM_MIDDLEWARE = "adapters.vllm_warm.ServedVersionsFirst"
 ADAPTER_NAME = "calm-adapter"  # prefix of a version's LoRA request in an in-process multi-LoRA engine
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 MAX_LORAS = 4  # adapters resident at once in a multi-LoRA engine (more versions: vLLM swaps them in per batch)
@@ -167,4 +168,6 @@ class EngineConfig:
         # Every version's adapter is loaded at run time by name (adapters/vllm_lora_resolver.py), so LoRA is always on.
         args += ["--enable-lora", "--max-lora-rank", str(max(self.max_lora_rank, MULTI_LORA_RANK)),
                  "--max-loras", str(MAX_LORAS)]
+        # A restarted engine's /health waits until the versions the gateways serve are loaded (adapters/vllm_warm.py).
+        args += ["--middleware", WARM_MIDDLEWARE]
         return args

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,6 +30,9 @@ from calm_core.db import Database
 from calm_core.errors import CalmError
 
 GLOBAL = "*"
+# In the registry folder: the versions the gateways serve now, for engines that restart to load before taking traffic
+# (adapters/vllm_warm.py); the database stays the truth, this is its copy where engines can read it.
+SERVED_FILE = "serving.json"
 STATUSES = ("candidate", "active", "rejected", "retired")
 TRIGGERS = ("alert", "operator", "schedule", "import")
 
@@ -92,7 +98,25 @@ def training_data_sha256(manifest) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def read_served(root: str | Path) -> list[str]:
+    """The versions of the registry folder's serving list ([] when there is none or it cannot be read)."""
+    try:
+        versions = json.loads((Path(root) / SERVED_FILE).read_text()).get("versions", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [v for v in versions if isinstance(v, str)]
+
+
 class Registry:
+    def publish_served(self, versions: Iterable[str]) -> None:
+        """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{SERVED_FILE}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"versions": sorted(set(versions)), "at": time.time()}, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, self.root / SERVED_FILE)
+
     def __init__(self, db: Database, root: str | Path):
         self.db, self.root = db, Path(root)
         db.create_tables(META)

@@ -55,6 +55,7 @@ class Deployments:
         self.problems: dict[str, str] = {}  # version -> why it could not be served
         self._lock = asyncio.Lock()
         self._retiring: set[asyncio.Task] = set()
+        self._published: set[str] | None = None  # the serving list this replica last wrote to the registry folder
         self._export_versions()
 
     # -- routing ----------------------------------------------------------------------------------------------------
@@ -91,11 +92,24 @@ class Deployments:
                     self.monitor.set_reference(domain, reference_for(self.loaded[new].artifact, domain))
             for old in set(self.loaded) - set(self.routes.values()):
                 self._retire(self.loaded.pop(old))
+            await self._publish()
             if switched:
                 self._export_versions()
                 for domain, old, new in switched:
                     log.info("domain %s now served by %s (was %s)", domain, new, old)
             return switched
+
+    async def _publish(self) -> None:
+        """Keep the registry folder's serving list (an engine that restarts loads it before taking traffic) when what
+        this replica serves changed; a failed write is logged, the routes stand."""
+        serving = set(self.routes.values())
+        if serving == self._published:
+            return
+        try:
+            await asyncio.to_thread(self.registry.publish_served, serving)
+            self._published = serving
+        except OSError as e:
+            log.error("could not write the serving list to the registry folder: %s", e)
 
     async def _load(self, version: str) -> None:
         if self.loader is None:

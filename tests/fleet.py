@@ -30,6 +30,7 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
             "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(256 << 20),
             "--max-model-len", "2048", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs",
             "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4", "--seed", "0",
+            "--middleware", "adapters.vllm_warm.ServedVersionsFirst",
             "--host", "127.0.0.1", "--port", str(port)]
 
 

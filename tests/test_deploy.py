@@ -18,7 +18,8 @@ from tests.fleet import engine_argv
 REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((REPO / "deploy/k8s").glob("*.yaml"))
 # The plugin's flags: what makes a stock vLLM server a CALM engine (README "Engines").
-PLUGIN_FLAGS = [["--logprobs-mode", "processed_logprobs"], ["--enable-lora"], ["--max-lora-rank", "64"]]
+PLUGIN_FLAGS = [["--logprobs-mode", "processed_logprobs"], ["--enable-lora"], ["--max-lora-rank", "64"],
+                ["--middleware", "adapters.vllm_warm.ServedVersionsFirst"]]
 
 
 def documents() -> list[dict]:
