@@ -20,6 +20,7 @@ import numpy as np
 from scipy.optimize import minimize_scalar
 
 from calm_core.metrics import auroc, binned_calibration_error
+from calm_core.served_answers import JudgedChoice
 from calm_core.scoring import options_softmax
 
 AUROC_TOLERANCE = 0.01  # a temperature reorders answers across questions only slightly; more than this is a change
@@ -31,14 +32,20 @@ def tempered(log_probs: Sequence[np.ndarray], temperature: float) -> list[np.nda
     return [options_softmax(np.asarray(lp, dtype=np.float64) / temperature).probs for lp in log_probs]
 
 
-def fit_temperature(log_probs: Sequence[np.ndarray], labels: Sequence[int]) -> float:
-    """The T in [0.05, 20] minimising the labelled questions' negative log-likelihood under softmax(scores / T)."""
-    if len(log_probs) == 0 or len(log_probs) != len(labels):
-        raise ValueError("need one label per scored question, at least one")
+def fit_temperature(log_probs: Sequence[np.ndarray], labels: Sequence[int],
+                    judged: Sequence[JudgedChoice] = ()) -> float:
+    """The T in [0.05, 20] minimising the negative log-likelihood under softmax(scores / T) of the labelled questions
+    (the right option's probability) and of served answers judged by feedback (`judged`: the chosen option's
+    probability if it was right, one minus it if not; which option was right is unknown then)."""
+    if len(log_probs) != len(labels) or len(log_probs) + len(judged) == 0:
+        raise ValueError("need one label per scored question, at least one question or judged answer")
 
     def nll(log_t: float) -> float:
-        probs = tempered(log_probs, float(np.exp(log_t)))
-        return -float(np.mean([np.log(max(p[y], 1e-300)) for p, y in zip(probs, labels)]))
+        t = float(np.exp(log_t))
+        terms = [np.log(max(p[y], 1e-300)) for p, y in zip(tempered(log_probs, t), labels)]
+        for j, p in zip(judged, tempered([j.log_probs for j in judged], t)):
+            terms.append(np.log(max(p[j.chosen] if j.correct else 1.0 - p[j.chosen], 1e-300)))
+        return -float(np.mean(terms))
 
     return float(np.exp(minimize_scalar(nll, bounds=(np.log(0.05), np.log(20.0)), method="bounded").x))
 
@@ -69,11 +76,16 @@ class HeldOutCheck:
                 f"fall by more than {AUROC_TOLERANCE}), accuracy {self.accuracy:.3f} unchanged")
 
 
-def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], temperature: float) -> HeldOutCheck:
+def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], temperature: float,
+                   judged: Sequence[JudgedChoice] = ()) -> HeldOutCheck:
+    """The map judged on held-out labelled questions (their top option against the label) and judged answers (the
+    chosen option's confidence against the verdict)."""
     before, after = tempered(log_probs, 1.0), tempered(log_probs, temperature)
-    conf_b, conf_a = np.array([p.max() for p in before]), np.array([p.max() for p in after])
-    correct = np.array([int(np.argmax(p)) for p in before]) == np.asarray(labels)
-    return _held_out(conf_b, conf_a, correct, temperature)
+    conf_b = [p.max() for p in before] + [p[j.chosen] for j, p in zip(judged, tempered([j.log_probs for j in judged], 1.0))]
+    conf_a = [p.max() for p in after] + [p[j.chosen] for j, p in zip(judged, tempered([j.log_probs for j in judged],
+                                                                                       temperature))]
+    correct = [int(np.argmax(p)) == y for p, y in zip(before, labels)] + [j.correct for j in judged]
+    return _held_out(np.array(conf_b), np.array(conf_a), np.array(correct, dtype=bool), temperature)
 
 
 def _held_out(conf_b: np.ndarray, conf_a: np.ndarray, correct: np.ndarray, temperature: float) -> HeldOutCheck:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, select, update
 from sqlalchemy.exc import IntegrityError
 
+from calm_core.served_answers import judge
 from gateway.store import FEEDBACK, Store
 
 META = MetaData()
@@ -122,6 +123,7 @@ class HandoffStore:
                 c.execute(update(REVIEWS).where(r.id == review_id).values(
                     correct=int(correct), closed_at=time.time(), reviewer=reviewer, note=note))
                 c.execute(FEEDBACK.insert().values(response_id=row[1], correct=int(correct), at=time.time()))
+                judge(c, row[1], correct)
         except IntegrityError:  # its response already had feedback (from the caller): the review stays open
             return None
         return True

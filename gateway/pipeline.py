@@ -18,6 +18,7 @@ from calm_core.engine import EngineClient, EngineOutput
 from calm_core.prompts import PreparedPrompt
 from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob, ScoringPath
 from calm_core.scorers.registry import Scorers
+from calm_core.served_answers import ServedAnswer
 from gateway.errors import APIError
 from gateway.group_commit import GroupCommit
 from gateway.guarantees import GuaranteedThresholds
@@ -194,8 +195,10 @@ class CalibratedService:
             artifact_version=self.engine.artifact_version, mode=scoring.kind.value, entropy=choice.entropy,
             options=options, policy_state=policy.state, method=scoring.method.value if scoring.method else None,
             clusters=clusters)
+        served = ServedAnswer(self.engine.artifact_version, scoring.kind.value, choice.confidence, calibration.method,
+                              choice.chosen, choice.option_probs)
         return Answer(policy.message if abstained else choice.text, choice.finish_reason, calibration,
-                      choice.completion_tokens, no_positions if abstained else self._positions(choice, letters))
+                      choice.completion_tokens, no_positions if abstained else self._positions(choice, letters), served)
 
     def _positions(self, choice: ScoredChoice, letters):
         if choice.output is None:  # the answer's one log-prob is the chosen option's, under the options' distribution
@@ -210,7 +213,7 @@ class CalibratedService:
     async def record(self, served: Served, ctx: RequestContext) -> None:
         """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
         requests being served meanwhile; keep the question for retraining where the domain opted in."""
-        rows = [(response_key(served.response_id, i), ctx.domain, a.calibration.confidence)
+        rows = [(response_key(served.response_id, i), ctx.domain, a.calibration.confidence, a.served)
                 for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
         if rows:
             await self.shared.responses.add(rows)

@@ -19,6 +19,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from calm_core.db import Database
+from calm_core.served_answers import META as SERVED_META
+from calm_core.served_answers import SERVED_ANSWERS, judge
 from gateway.keys import ClientKey
 
 META = MetaData()
@@ -64,6 +66,7 @@ class Store(Database):
     def __init__(self, path_or_url: str | Path):
         super().__init__(path_or_url)
         self.create_tables(META)
+        self.create_tables(SERVED_META)
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:
@@ -133,14 +136,20 @@ class Store(Database):
     def record_response(self, response_id: str, domain: str, confidence: float) -> None:
         self.record_responses([(response_id, domain, confidence)])
 
-    def record_responses(self, rows: list[tuple[str, str, float]]) -> None:
-        """Several (id, domain, confidence) in one transaction (the choices of one response); ids already stored are
-        left as they are."""
+    def record_responses(self, rows: list[tuple]) -> None:
+        """Several (id, domain, confidence[, ServedAnswer]) in one transaction (the choices of one response, or a group
+        commit's); ids already stored are left as they are. A ServedAnswer keeps what the confidence was made of (the
+        labels feedback gives for recalibration, calm_core/served_answers.py)."""
         at = time.time()
-        insert = (sqlite.insert if self.sqlite else postgresql.insert)(RESPONSES).on_conflict_do_nothing(
-            index_elements=[RESPONSES.c.id])  # one statement, no read first: this runs for every answer served
+        dialect = sqlite if self.sqlite else postgresql
+        # One statement per table, no read first: this runs for every answer served.
+        insert = dialect.insert(RESPONSES).on_conflict_do_nothing(index_elements=[RESPONSES.c.id])
+        served = [r[3].row(r[0], r[1]) for r in rows if len(r) > 3 and r[3] is not None]
         with self._write() as c:
-            c.execute(insert, [dict(id=i, domain=d, confidence=conf, created_at=at) for i, d, conf in rows])
+            c.execute(insert, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
+            if served:
+                c.execute(dialect.insert(SERVED_ANSWERS).on_conflict_do_nothing(index_elements=[SERVED_ANSWERS.c.id]),
+                          served)
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self.engine.connect() as c:
@@ -156,6 +165,7 @@ class Store(Database):
                 if row is not None:
                     return False if bool(row[0]) == correct else None
                 c.execute(FEEDBACK.insert().values(response_id=response_id, correct=int(correct), at=time.time()))
+                judge(c, response_id, correct)
         except IntegrityError:  # the same response's feedback arrived at another replica in between
             stored = self._feedback_of(response_id)
             return False if stored == correct else None

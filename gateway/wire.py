@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from calm_core.served_answers import ServedAnswer
 from gateway.logprobs import Position, chat_logprobs, completion_logprobs
 from gateway.protocol.openai import (
     Calibration, ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionResponse, UsageInfo,
@@ -34,6 +35,7 @@ class Answer:
     # The answer's log-prob positions, built only when a client asks for log-probs (decoding every alternative of
     # every token would otherwise cost each response).
     positions: Callable[[], list[Position]]
+    served: ServedAnswer | None = None  # what the confidence was made of, stored for recalibration
 
 
 @dataclass

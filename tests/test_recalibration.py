@@ -8,10 +8,12 @@ import pytest
 from calm_core.recalibration import check_held_out, fit_temperature, split_fit_held_out, tempered
 
 
-def synthetic(n: int, true_temperature: float, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """Questions whose labels are drawn from softmax(scores / T): T is what a fit should find."""
+def synthetic(n: int, true_temperature: float, seed: int = 0,
+              options: int | None = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """Questions (2-5 options, or `options` each) whose labels are drawn from softmax(scores / T): T is what a fit
+    should find."""
     rng = np.random.default_rng(seed)
-    scores = [rng.normal(0, 1.5, size=rng.integers(2, 6)) for _ in range(n)]
+    scores = [rng.normal(0, 1.5, size=options or rng.integers(2, 6)) for _ in range(n)]
     labels = np.array([rng.choice(len(p), p=p) for p in tempered(scores, true_temperature)])
     return scores, labels
 
@@ -32,6 +34,29 @@ def test_the_held_out_check_passes_a_fitted_temperature_and_fails_a_wrong_one():
     wrong = check_held_out([scores[i] for i in held], labels[held], 3.0)
     assert not wrong.passed and "fails" in wrong.reason
     assert wrong.accuracy == check.accuracy  # a temperature never changes the answers
+
+
+def judged_answers(n: int, true_temperature: float, seed: int = 0, options: int | None = None):
+    """Served multiple-choice answers (the top option of the served scores) judged by feedback, their truth drawn
+    from softmax(scores / T): only right or wrong is known, not which option was right."""
+    from calm_core.served_answers import JudgedChoice
+
+    scores, truth = synthetic(n, true_temperature, seed, options)
+    return [JudgedChoice(np.log(tempered([s], 1.0)[0]), int(np.argmax(s)), int(np.argmax(s)) == int(y))
+            for s, y in zip(scores, truth)]
+
+
+@pytest.mark.parametrize("truth", [0.4, 2.5])
+def test_feedback_verdicts_alone_recover_the_temperature_and_pass_the_held_out_check(truth):
+    judged = judged_answers(4000, truth, seed=2)
+    t = fit_temperature([], [], judged[:3000])
+    assert t == pytest.approx(truth, rel=0.12)
+    check = check_held_out([], [], t, judged[3000:])
+    assert check.passed and check.n == 1000
+    assert (check.mean_confidence_after > check.mean_confidence_before) == (truth < 1)  # both directions
+    assert not check_held_out([], [], 1 / truth, judged[3000:]).passed  # the opposite map makes it worse
+    scores, labels = synthetic(2000, truth, seed=3)  # with uploaded questions: one fit over both kinds
+    assert fit_temperature(scores, labels, judged[:2000]) == pytest.approx(truth, rel=0.1)
 
 
 def test_the_split_is_seeded_disjoint_and_never_empty():
@@ -90,6 +115,43 @@ def test_a_job_picks_the_labelled_map_by_the_labels_a_domain_has():
         job_method("labelled", 20, 100, "science")
     with pytest.raises(CalmError, match="method"):
         job_method("isotonic", 500, 100, "science")
+
+
+@pytest.mark.slow
+def test_a_job_recalibrates_on_feedback_verdicts_alone(tmp_path, embedded_model_dir):
+    """A domain with no uploaded labels but 300 served four-option answers judged by feedback, the served version
+    under-confident on them: the job takes the labelled map on the verdicts (their option scores were stored as served; nothing is
+    scored again), and the candidate sharpens."""
+    from calm_core.artifact import load_artifact
+    from calm_core.jobs import JobQueue
+    from calm_core.paths import BUNDLED_DIR
+    from calm_core.registry import Registry
+    from calm_core.served_answers import ServedAnswer
+    from gateway.store import Store
+    from training.retrain import Worker
+    from training.retrain_gate import load_loop_config
+
+    store = Store(tmp_path / "gw.sqlite3")
+    registry = Registry(store, tmp_path / "registry")
+    default = registry.ensure_default(BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct")
+    judged = judged_answers(300, 0.4, seed=4, options=4)
+    store.record_responses([(f"r{i}", "science", float(np.exp(j.log_probs.max())),
+                             ServedAnswer(default, "multiple_choice", float(np.exp(j.log_probs.max())), None, j.chosen,
+                                          tuple(np.exp(j.log_probs)))) for i, j in enumerate(judged)])
+    for i, j in enumerate(judged):
+        store.add_feedback(f"r{i}", j.correct)
+    (tmp_path / "loop.toml").write_text(f'runs_dir = "{tmp_path / "jobs"}"\n')
+    worker = Worker(load_loop_config(tmp_path / "loop.toml"), store, tmp_path / "registry")
+    job, _ = JobQueue(store).enqueue("science", "operator", {"method": "labelled"})
+    assert worker.run(once=True) == 1
+    done = JobQueue(store).get(job.id)
+    assert done.status == "promoted", done.log
+    assert done.result["labels"] == 0 and done.result["judged_answers"] == 300 and done.result["check"]["passed"]
+    assert done.result["check"]["ece_after"] < done.result["check"]["ece_before"]
+    manifest = load_artifact(registry.path_of(done.candidate)).manifest
+    parent = load_artifact(registry.path_of(default)).manifest
+    assert manifest.option_temperature == pytest.approx(parent.option_temperature * 0.4, rel=0.25)
+    assert "300 answers judged by feedback" in manifest.recalibration.fitted_on
 
 
 @pytest.mark.slow

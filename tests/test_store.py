@@ -198,3 +198,26 @@ def test_replicas_starting_together_on_an_empty_postgresql_create_the_tables_onc
         assert {"policies", "feedback", "artifact_versions", "retrain_jobs"} <= set(inspect(store.engine).get_table_names())
     finally:
         store.close()
+
+
+def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_reviews(database):
+    from calm_core.served_answers import ServedAnswer, judged_choices
+    from gateway.handoff_store import HandoffStore, Review
+
+    store = Store(database)
+    mc = ServedAnswer("v1", "multiple_choice", 0.7, None, 0, (0.7, 0.2, 0.1))
+    store.record_responses([
+        ("a", "science", 0.7, mc),
+        ("b", "science", 0.6, ServedAnswer("v1", "multiple_choice", 0.6, None, 1, (0.3, 0.6, 0.1))),
+        ("c", "science", 0.5, ServedAnswer("v0", "multiple_choice", 0.5, None, 0, (0.5, 0.5))),  # another version
+        ("d", "science", 0.4, ServedAnswer("v1", "free_form", 0.4, "token")),  # free form: no option scores
+        ("e", "science", 0.9, mc), ("f", "science", 0.3)])  # no record of its scores
+    for key in ("a", "c", "d", "f"):
+        assert store.add_feedback(key, key != "a") is True
+    handoff = HandoffStore(store)
+    handoff.open_reviews([Review("rev-1", "science", "e", {"messages": []}, "A", 0.9, 0.0)])
+    assert handoff.close_review("rev-1", True, "admin", None) is True
+    judged = judged_choices(store, "science", "v1")  # "b" has no verdict yet
+    assert [(j.chosen, j.correct) for j in judged] == [(0, False), (0, True)]
+    assert judged[0].log_probs == pytest.approx([-0.356675, -1.609438, -2.302585], abs=1e-6)
+    assert judged_choices(store, "medicine", "v1") == [] and len(judged_choices(store, "science", "v0")) == 1

@@ -12,6 +12,7 @@ numbers) and the domain's reference histogram under the new confidence, so the d
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from calm_core.artifact import FREE_FORM_DIR, Recalibration, derive_version, upd
 from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
 from calm_core.models import resolve_model
+from calm_core.served_answers import JudgedChoice
 from calm_core.recalibration import (check_held_out, check_held_out_confidence, fit_confidence_temperature,
                                      fit_temperature, powered, split_fit_held_out, tempered)
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
@@ -47,6 +49,8 @@ def served_log_probs(cfg: RecalibrateConfig) -> tuple[list[np.ndarray], np.ndarr
     tokenizer = load_tokenizer(resolved.path)
     parent = load_verified_artifact(cfg.artifact, resolved.path, tokenizer)
     questions = sample_questions(cfg.labels.load(), cfg.limit, cfg.seed)
+    if not questions:  # judged answers only: their scores came with them
+        return [], np.array([], dtype=int), parent
     model = load_served_model(str(resolved.path), parent.adapter_dir)
     probs = option_probabilities(model, tokenizer, questions, parent.manifest.answer_format, parent.head,
                                  option_temperature=parent.manifest.option_temperature)
@@ -62,20 +66,33 @@ def checked_summary(cfg: RecalibrateConfig, parent: str, n_fit: int, check, rais
             "check": {**asdict(check), "passed": check.passed}, "reason": check.reason}
 
 
-def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True) -> dict:
-    """Fit, check and (when the check passes) write the version; the summary has `version` only if one was written."""
+def _part(indices: np.ndarray, log_probs: list[np.ndarray], labels: np.ndarray, judged: Sequence[JudgedChoice]):
+    """The questions and judged answers at `indices` of their concatenation: (log-probs, labels, judged)."""
+    n = len(labels)
+    questions = [int(i) for i in indices if i < n]
+    return [log_probs[i] for i in questions], labels[questions], [judged[int(i) - n] for i in indices if i >= n]
+
+
+def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True, judged: Sequence[JudgedChoice] = ()) -> dict:
+    """Fit, check and (when the check passes) write the version; the summary has `version` only if one was written.
+    `judged`: served answers of the parent that feedback judged (calm_core/served_answers.py), labels beside the
+    uploaded questions: the same seeded split holds out a part of both."""
     log_probs, labels, parent = served_log_probs(cfg)
-    fit, held = split_fit_held_out(len(labels), cfg.held_out, cfg.seed)
-    t = fit_temperature([log_probs[i] for i in fit], labels[fit])
-    check = check_held_out([log_probs[i] for i in held], labels[held], t)
+    n = len(labels)
+    fit, held = split_fit_held_out(n + len(judged), cfg.held_out, cfg.seed)
+    t = fit_temperature(*_part(fit, log_probs, labels, judged))
+    held_lp, held_labels, held_judged = _part(held, log_probs, labels, judged)
+    check = check_held_out(held_lp, held_labels, t, held_judged)
     summary = checked_summary(cfg, parent.manifest.artifact_version, len(fit), check, raise_on_failure)
+    summary["judged_answers"] = len(judged)
     if not check.passed:
         return summary
-    served = np.array([p.max() for p in tempered(log_probs, t)])
+    served = np.array([p.max() for p in tempered([*log_probs, *(j.log_probs for j in judged)], t)])
     numbers = {k: float(v) for k, v in asdict(check).items()}
     lineage = Recalibration(parent=parent.manifest.artifact_version, domain=cfg.domain,
                             temperature=parent.manifest.option_temperature * t,
-                            fitted_on=f"{len(fit)} labels of {cfg.labels.label}", held_out=numbers)
+                            fitted_on=f"{len(fit)} labels ({n} questions of {cfg.labels.label}, {len(judged)} answers "
+                                      "judged by feedback, fit and held-out parts together)", held_out=numbers)
     manifest = derive_version(parent.path, cfg.out, "recalibrated", option_temperature=lineage.temperature,
                               recalibration=lineage.model_dump(), metrics={f"held_out/{cfg.labels.label}": numbers},
                               reference_histograms={**parent.manifest.reference_histograms,

@@ -42,6 +42,7 @@ from calm_core.jobs import Job, JobQueue
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
+from calm_core.served_answers import JudgedChoice, judged_choices
 from calm_core.splits import load_split, materialize
 from calm_core.toml_config import dump_toml
 from training.artifact_scoring import load_served_model, option_probabilities
@@ -165,10 +166,12 @@ class Worker:
         parent = self.registry.serving(domain)
         prompts = self.capture.prompts(domain)
         labelled = labelled_questions(prompts, domain)
-        method = job_method(job.detail.get("method", self.cfg.method), len(labelled), self.cfg.min_recalibration_labels,
-                            domain)
+        # Feedback verdicts on the serving version's multiple-choice answers are labels too (their scores were stored).
+        judged = judged_choices(self.registry.db, domain, parent) if parent else []
+        method = job_method(job.detail.get("method", self.cfg.method), len(labelled) + len(judged),
+                            self.cfg.min_recalibration_labels, domain)
         if method == "labelled":
-            return self._recalibrate(job, job_dir, parent, labelled, prompts, beat)
+            return self._recalibrate(job, job_dir, parent, labelled, judged, prompts, beat)
         modes = self._modes(domain, prompts)
         parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
         parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
@@ -271,13 +274,15 @@ class Worker:
         return calib_file
 
     def _recalibrate(self, job: Job, job_dir: Path, parent: str | None, labelled: list[MCQuestion],
-                     prompts: list[CapturedPrompt], beat: Heartbeat) -> Job:
+                     judged: list[JudgedChoice], prompts: list[CapturedPrompt], beat: Heartbeat) -> Job:
         if parent is None:
             raise CalmError(f"domain {job.domain!r} has no serving version to recalibrate")
-        beat.note(f"parent {parent}; fitting the labelled map on {len(labelled)} labelled questions", "judging")
+        beat.note(f"parent {parent}; fitting the labelled map on {len(labelled)} labelled questions and {len(judged)} "
+                  "answers judged by feedback", "judging")
         labels_file = write_questions(job_dir / "labels.jsonl", labelled)
-        summary = recalibrate_for_job(self.registry.path_of(parent), labels_file, job.domain, job_dir / "candidate")
-        result = labelled_result(summary, parent, labelled)
+        summary = recalibrate_for_job(self.registry.path_of(parent), labels_file, job.domain, job_dir / "candidate",
+                                      judged)
+        result = labelled_result(summary, parent, labelled, judged)
         if "version" not in summary:  # the held-out check failed: nothing to register
             return self.queue.finish(job.id, "rejected", result=result, line=f"rejected: {summary['reason']}")
         trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"

@@ -5,11 +5,13 @@ held-out check (ECE must fall, AUROC must not) is the gate; the accuracy cannot 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, get_args
 
 from calm_core.data import MCQuestion
 from calm_core.errors import CalmError
+from calm_core.served_answers import JudgedChoice
 from training.evaluate import DatasetSpec
 from training.recalibrate import RecalibrateConfig, run_recalibrate
 
@@ -29,14 +31,16 @@ def job_method(requested: str, n_labels: int, min_labels: int, domain: str) -> s
     return requested
 
 
-def recalibrate_for_job(parent_dir: Path, labels_file: Path, domain: str, out: Path) -> dict:
-    """The map fitted on the domain's labels and checked on a held-out third; `version` in the result only when the
-    check passed and the candidate was written to `out`."""
+def recalibrate_for_job(parent_dir: Path, labels_file: Path, domain: str, out: Path,
+                        judged: Sequence[JudgedChoice] = ()) -> dict:
+    """The map fitted on the domain's labels (uploaded questions and answers judged by feedback) and checked on a
+    held-out third; `version` in the result only when the check passed and the candidate was written to `out`."""
     return run_recalibrate(RecalibrateConfig(str(parent_dir), DatasetSpec(str(labels_file), "file"), domain, str(out)),
-                           raise_on_failure=False)
+                           raise_on_failure=False, judged=judged)
 
 
-def labelled_result(summary: dict, parent: str | None, labelled: list[MCQuestion]) -> dict:
+def labelled_result(summary: dict, parent: str | None, labelled: list[MCQuestion],
+                    judged: Sequence[JudgedChoice] = ()) -> dict:
     """The job's result in the shape the gate and `calm jobs show` read: the held-out numbers before (the parent as it
     serves) and after (the candidate), the labels counting as the domain's feedback labels."""
     check = summary["check"]
@@ -45,9 +49,9 @@ def labelled_result(summary: dict, parent: str | None, labelled: list[MCQuestion
     after = {**before, "mean_confidence": check["mean_confidence_after"], "ece_10": check["ece_after"],
              "auroc": check["auroc_after"]}
     inputs = {"candidate_accuracy": check["accuracy"], "active_accuracy": check["accuracy"],
-              "feedback_labels": len(labelled), "candidate_feedback_ece": check["ece_after"],
+              "feedback_labels": len(labelled) + len(judged), "candidate_feedback_ece": check["ece_after"],
               "active_feedback_ece": check["ece_before"]}
-    return {"method": "labelled", "parent": parent, "labels": len(labelled), "check": check,
+    return {"method": "labelled", "parent": parent, "labels": len(labelled), "judged_answers": len(judged), "check": check,
             "option_temperature": summary.get("option_temperature"), "reason": summary["reason"],
             "in_domain": {"candidate": after, "active": before}, "inputs": inputs}
 
