@@ -1,9 +1,10 @@
 """What each served answer's confidence was made of, and its verdict once feedback judges it: the labels a domain's
 traffic gives for recalibration (training/retrain_labelled.py), beside the questions operators upload.
 
-A row per answer the gateway records (its response key): the domain, the version and mode that served it, and for
-multiple choice the options' log-probabilities as served and the option chosen; for free form the confidence method.
-Feedback (and a closed review) sets `correct`. No text is stored: a verdict needs the scores, not the question.
+A row per multiple-choice answer the gateway records (its response key): the domain, the version that served it, the
+options' log-probabilities as served and the option chosen. Feedback (and a closed review) sets `correct`. No text is
+stored: a verdict needs the scores, not the question. The table also takes free-form rows (mode, confidence method),
+which the gateway does not write yet: no fit reads them.
 """
 
 from __future__ import annotations

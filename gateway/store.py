@@ -67,6 +67,10 @@ class Store(Database):
         super().__init__(path_or_url)
         self.create_tables(META)
         self.create_tables(SERVED_META)
+        # Built once: these run for every answer served (a statement built per call costs its cache key each time).
+        dialect = sqlite if self.sqlite else postgresql
+        self._insert_responses = dialect.insert(RESPONSES).on_conflict_do_nothing(index_elements=[RESPONSES.c.id])
+        self._insert_served = dialect.insert(SERVED_ANSWERS).on_conflict_do_nothing(index_elements=[SERVED_ANSWERS.c.id])
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:
@@ -141,15 +145,11 @@ class Store(Database):
         commit's); ids already stored are left as they are. A ServedAnswer keeps what the confidence was made of (the
         labels feedback gives for recalibration, calm_core/served_answers.py)."""
         at = time.time()
-        dialect = sqlite if self.sqlite else postgresql
-        # One statement per table, no read first: this runs for every answer served.
-        insert = dialect.insert(RESPONSES).on_conflict_do_nothing(index_elements=[RESPONSES.c.id])
         served = [r[3].row(r[0], r[1]) for r in rows if len(r) > 3 and r[3] is not None]
-        with self._write() as c:
-            c.execute(insert, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
+        with self._write() as c:  # one statement per table, no read first
+            c.execute(self._insert_responses, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
             if served:
-                c.execute(dialect.insert(SERVED_ANSWERS).on_conflict_do_nothing(index_elements=[SERVED_ANSWERS.c.id]),
-                          served)
+                c.execute(self._insert_served, served)
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self.engine.connect() as c:

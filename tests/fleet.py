@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def healthy(url: str) -> bool:
 class Fleet:
     def __init__(self, tmp: Path, model_dir: Path, db_url: str):
         self.tmp, self.model_dir, self.db_url = tmp, model_dir, db_url
+        self.t0 = time.monotonic()  # failures are reported in seconds from here (compare with the processes' logs)
         self.registry = tmp / "registry"
         self.engine_ports = [free_port(), free_port()]
         self.gateway_ports = [free_port(), free_port()]

@@ -181,6 +181,9 @@ def test_a_promotion_through_one_replica_is_served_by_both_and_rollback_returns(
         wait_until(f"engine {i} to unload {v2}", lambda i=i: v2 not in loaded_adapters(fleet.engine_url(i)), timeout=120)
 
 
+errors: list[tuple] = []  # (start, end, status, message) of every failed request, seconds from the fleet's start
+
+
 def load(fleet: Fleet, base: str, stop: threading.Event, results: list, feedback: list) -> None:
     """One client: a multiple-choice or free-form question, then feedback on its answer; every outcome recorded."""
     client = fleet.client(base)
@@ -200,8 +203,10 @@ def load(fleet: Fleet, base: str, stop: threading.Event, results: list, feedback
                 feedback.append(r.id)
         except openai.APIStatusError as e:
             code = e.status_code
+            errors.append((started - fleet.t0, time.monotonic() - fleet.t0, code, str(e)[:300]))
         except (openai.APIConnectionError, httpx.HTTPError) as e:
             code = type(e).__name__
+            errors.append((started - fleet.t0, time.monotonic() - fleet.t0, code, str(e)[:300]))
         results.append((started, time.monotonic(), code))
 
 
@@ -261,7 +266,8 @@ def test_an_engine_killed_under_load_then_restarted(fleet, versions, shipped_art
     results, _, killed_at, gone_at = under_load(fleet, 8, "engine0", fleet.gateway_url(1))
     assert all(c in (200, 503) for *_, c in results), results
     after = [c for s, _, c in results if s > gone_at]
-    assert all(c == 200 for c in after), after
+    assert all(c == 200 for c in after), (f"killed at {killed_at - fleet.t0:.2f} s, gone at {gone_at - fleet.t0:.2f} s",
+                                          errors[-12:])
     fleet.start_engine(0, "engine0-restarted.log")
     fleet.wait_healthy("engine0", f"{fleet.engine_url(0)}/health")
     assert versions[0] in loaded_adapters(fleet.engine_url(0))  # healthy only once the served versions are loaded
