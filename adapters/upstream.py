@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -27,6 +28,8 @@ import msgspec
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from adapters.vllm_common import HEAD_ARG_KEY, OPT_OUT_KEY, served_name
 
+
+log = logging.getLogger("calm.upstream")
 
 # vLLM's values meaning "off"; only parameters that differ from them are sent.
 _VLLM_DEFAULTS = dict(n=1, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
@@ -189,7 +192,7 @@ class UpstreamVLLMEngine:
         failures = []
         for url in self._order():
             for again in (False, True):
-                started = False
+                started, attempt = False, time.monotonic()
                 try:
                     async for delta in self._stream_from(url, request):
                         started = True
@@ -197,6 +200,10 @@ class UpstreamVLLMEngine:
                     self._down_until.pop(url, None)
                     return
                 except _UpstreamDown as e:
+                    # Why a request failed, for operators (and the fleet tests' logs): the answer is a 503.
+                    log.warning("request %s: %s after %.2f s%s", request.request_id, e, time.monotonic() - attempt,
+                                " (output already streamed)" if started else (" (retried)" if e.unanswered and not
+                                                                             again else ""))
                     if started:
                         raise EngineUnavailable(str(e)) from None
                     if e.unanswered and not again:
