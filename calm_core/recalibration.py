@@ -81,9 +81,10 @@ def check_held_out(log_probs: Sequence[np.ndarray], labels: Sequence[int], tempe
     """The map judged on held-out labelled questions (their top option against the label) and judged answers (the
     chosen option's confidence against the verdict)."""
     before, after = tempered(log_probs, 1.0), tempered(log_probs, temperature)
-    conf_b = [p.max() for p in before] + [p[j.chosen] for j, p in zip(judged, tempered([j.log_probs for j in judged], 1.0))]
-    conf_a = [p.max() for p in after] + [p[j.chosen] for j, p in zip(judged, tempered([j.log_probs for j in judged],
-                                                                                       temperature))]
+    judged_scores = [j.log_probs for j in judged]
+    chosen_b = [p[j.chosen] for j, p in zip(judged, tempered(judged_scores, 1.0))]
+    chosen_a = [p[j.chosen] for j, p in zip(judged, tempered(judged_scores, temperature))]
+    conf_b, conf_a = [p.max() for p in before] + chosen_b, [p.max() for p in after] + chosen_a
     correct = [int(np.argmax(p)) == y for p, y in zip(before, labels)] + [j.correct for j in judged]
     return _held_out(np.array(conf_b), np.array(conf_a), np.array(correct, dtype=bool), temperature)
 

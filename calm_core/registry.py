@@ -108,6 +108,10 @@ def read_served(root: str | Path) -> list[str]:
 
 
 class Registry:
+    def __init__(self, db: Database, root: str | Path):
+        self.db, self.root = db, Path(root)
+        db.create_tables(META)
+
     def publish_served(self, versions: Iterable[str]) -> None:
         """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -116,10 +120,6 @@ class Registry:
             json.dump({"versions": sorted(set(versions)), "at": time.time()}, f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.root / SERVED_FILE)
-
-    def __init__(self, db: Database, root: str | Path):
-        self.db, self.root = db, Path(root)
-        db.create_tables(META)
 
     # -- reading --------------------------------------------------------------------------------------------------
     def active(self) -> dict[str, str]:

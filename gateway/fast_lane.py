@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from gateway.errors import classified_response
 from gateway.escalation import HOP_HEADER
+from gateway.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.routers.openai import answer
 from gateway.state import GatewayState
@@ -45,21 +46,6 @@ def _json_body(content_type: str | None) -> bool:
     return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
-async def _read(receive, max_bytes: int) -> tuple[list[bytes], bool, bool]:
-    """(the body's pieces, the client still there, the body within `max_bytes`): reading stops past the limit."""
-    chunks, seen, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] != "http.request":
-            return chunks, False, True
-        chunks.append(message.get("body", b""))
-        seen += len(chunks[-1])
-        more = message.get("more_body", False)
-        if seen > max_bytes:
-            return chunks, True, False
-    return chunks, True, True
-
-
 class FastLane:
     """ASGI app in front of the FastAPI app's whole middleware stack (`app`); `state` is the app's GatewayState. A body
     over `max_bytes` is left to the stack's size limit (BodySizeLimit answers 413)."""
@@ -75,7 +61,7 @@ class FastLane:
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             return await self.app(scope, receive, send)
-        chunks, connected, within = await _read(receive, self.max_bytes)
+        chunks, connected, within = await read_up_to(receive, self.max_bytes)
         if not connected:
             return None
         body = b"".join(chunks) if within else b""
@@ -86,7 +72,7 @@ class FastLane:
             except ValidationError:
                 request = None
         if request is None:  # the framework answers it, exactly as without the lane
-            return await self.app(scope, _replay(chunks, within, receive), send)
+            return await self.app(scope, replay(chunks, within, receive), send)
         try:
             key = self.state.keyring.authenticate(headers.get(b"authorization"))
             response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key,
@@ -95,16 +81,3 @@ class FastLane:
             response = classified_response(e, scope["path"])
         await response(scope, receive, send)
         return None
-
-
-def _replay(chunks: list[bytes], complete: bool, receive):
-    """`receive` for the framework: the pieces already read, then (a body read only up to the limit) the rest."""
-    pending = list(chunks)
-
-    async def replayed():
-        if pending:
-            piece = pending.pop(0)
-            return {"type": "http.request", "body": piece, "more_body": bool(pending) or not complete}
-        return await receive()
-
-    return replayed

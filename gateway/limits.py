@@ -85,23 +85,38 @@ class BodySizeLimit:
         if declared is not None:
             return await self.app(scope, receive, send)
         # Chunked: read up to the limit here, then hand the body on (rare; at most max_bytes buffered).
-        chunks, seen, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            more = message.get("more_body", False)
-            if seen > self.max_bytes:
-                return await self._refuse(send, f"more than {self.max_bytes}")
-        replayed = False
+        chunks, connected, within = await read_up_to(receive, self.max_bytes)
+        if not connected:
+            return None
+        if not within:
+            return await self._refuse(send, f"more than {self.max_bytes}")
+        await self.app(scope, replay(chunks, True, receive), send)
 
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        await self.app(scope, replay, send)
+async def read_up_to(receive, max_bytes: int) -> tuple[list[bytes], bool, bool]:
+    """A request body's pieces, read until its end or until past `max_bytes`: (pieces, the client still there, the
+    body within the limit)."""
+    chunks, seen, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return chunks, False, True
+        chunks.append(message.get("body", b""))
+        seen += len(chunks[-1])
+        more = message.get("more_body", False)
+        if seen > max_bytes:
+            return chunks, True, False
+    return chunks, True, True
+
+
+def replay(chunks: list[bytes], complete: bool, receive):
+    """`receive` for the next app: the pieces already read, then (for a body read only part way) the rest."""
+    pending = list(chunks)
+
+    async def replayed():
+        if pending:
+            piece = pending.pop(0)
+            return {"type": "http.request", "body": piece, "more_body": bool(pending) or not complete}
+        return await receive()
+
+    return replayed
