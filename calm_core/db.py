@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from sqlalchemy import create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 
 
 def database_url(path_or_url: str | Path) -> str:
@@ -57,9 +58,32 @@ class Database:
         with self.engine.connect() as conn:
             conn.exec_driver_sql("SELECT 1")
 
+    def insert_ignoring_duplicates(self, table, key: str) -> "PreparedInsert":
+        """`INSERT … ON CONFLICT (key) DO NOTHING` into `table`, compiled once for this database's driver."""
+        dialect = sqlite if self.sqlite else postgresql
+        statement = dialect.insert(table).on_conflict_do_nothing(index_elements=[table.c[key]])
+        return PreparedInsert(statement.compile(dialect=self.engine.dialect))
+
     def _write(self):
         """A write transaction: `with db._write() as conn:`, committed on success, rolled back on any error."""
         return _WriteTx(self)
+
+
+class PreparedInsert:
+    """An insert as the driver's SQL text, executed for many rows at once. SQLAlchemy does not cache the compiled form
+    of an ON CONFLICT statement (it has no cache key in 2.0), so executing it compiled it on every call: a third of a
+    millisecond of CPU per group commit at the gateway's ceiling."""
+
+    def __init__(self, compiled):
+        self.sql = str(compiled)
+        # Positional drivers (sqlite3's "?") take tuples in the compiled order; named ones (psycopg's %(id)s) dicts.
+        self.order = [compiled.binds[name].key for name in compiled.positiontup] if compiled.positiontup else None
+
+    def execute(self, conn, rows: list[dict]) -> None:
+        if not rows:
+            return
+        params = [tuple(r[k] for k in self.order) for r in rows] if self.order else rows
+        conn.exec_driver_sql(self.sql, params)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from calm_core.db import Database
@@ -67,10 +66,9 @@ class Store(Database):
         super().__init__(path_or_url)
         self.create_tables(META)
         self.create_tables(SERVED_META)
-        # Built once: these run for every answer served (a statement built per call costs its cache key each time).
-        dialect = sqlite if self.sqlite else postgresql
-        self._insert_responses = dialect.insert(RESPONSES).on_conflict_do_nothing(index_elements=[RESPONSES.c.id])
-        self._insert_served = dialect.insert(SERVED_ANSWERS).on_conflict_do_nothing(index_elements=[SERVED_ANSWERS.c.id])
+        # Compiled once: these run for every answer served.
+        self._insert_responses = self.insert_ignoring_duplicates(RESPONSES, "id")
+        self._insert_served = self.insert_ignoring_duplicates(SERVED_ANSWERS, "id")
 
     # -- policies ---------------------------------------------------------------------------------------------
     def list_policies(self) -> dict[str, tuple[dict, int]]:
@@ -147,9 +145,8 @@ class Store(Database):
         at = time.time()
         served = [r[3].row(r[0], r[1]) for r in rows if len(r) > 3 and r[3] is not None]
         with self._write() as c:  # one statement per table, no read first
-            c.execute(self._insert_responses, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
-            if served:
-                c.execute(self._insert_served, served)
+            self._insert_responses.execute(c, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
+            self._insert_served.execute(c, served)
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self.engine.connect() as c:
