@@ -1,10 +1,11 @@
 """What each served answer's confidence was made of, and its verdict once feedback judges it: the labels a domain's
 traffic gives for recalibration (training/retrain_labelled.py), beside the questions operators upload.
 
-A row per multiple-choice answer the gateway records (its response key): the domain, the version that served it, the
-options' log-probabilities as served and the option chosen. Feedback (and a closed review) sets `correct`. No text is
-stored: a verdict needs the scores, not the question. The table also takes free-form rows (mode, confidence method),
-which the gateway does not write yet: no fit reads them.
+A row per answer the gateway records (its response key): the domain and the version that served it; for multiple
+choice the options' log-probabilities as served and the option chosen, for a free-form answer its token confidence as
+served (the free-form labelled map is a temperature on that number). Feedback (and a closed review) sets `correct`.
+No text is stored: a verdict needs the scores, not the question. Free-form answers under semantic confidence get no
+row: no map is fitted to that number yet.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ class JudgedChoice:
     correct: bool
 
 
+@dataclass(frozen=True)
+class JudgedConfidence:
+    """A served free-form answer's token confidence and its verdict."""
+
+    confidence: float
+    correct: bool
+
+
 def judge(connection, key: str, correct: bool) -> None:
     """Record a verdict (inside the caller's transaction, beside its feedback row)."""
     connection.execute(update(SERVED_ANSWERS).where(SERVED_ANSWERS.c.id == key).values(correct=int(correct)))
@@ -74,3 +83,16 @@ def judged_choices(db, domain: str, version: str) -> list[JudgedChoice]:
         rows = c.execute(query).all()
     return [JudgedChoice(np.array(json.loads(lp), dtype=np.float64), int(chosen), bool(correct))
             for lp, chosen, correct in rows]
+
+
+def judged_free_form(db, domain: str, version: str) -> list[JudgedConfidence]:
+    """The domain's free-form answers served by `version` with token confidence that feedback judged (in key order)."""
+    db.create_tables(META)
+    query = (select(SERVED_ANSWERS.c.confidence, SERVED_ANSWERS.c.correct)
+             .where(SERVED_ANSWERS.c.domain == domain, SERVED_ANSWERS.c.version == version,
+                    SERVED_ANSWERS.c.kind == "free_form", SERVED_ANSWERS.c.method == "token",
+                    SERVED_ANSWERS.c.correct.is_not(None))
+             .order_by(SERVED_ANSWERS.c.id))
+    with db.engine.connect() as c:
+        rows = c.execute(query).all()
+    return [JudgedConfidence(float(confidence), bool(correct)) for confidence, correct in rows]

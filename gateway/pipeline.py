@@ -195,10 +195,14 @@ class CalibratedService:
             artifact_version=self.engine.artifact_version, mode=scoring.kind.value, entropy=choice.entropy,
             options=options, policy_state=policy.state, method=scoring.method.value if scoring.method else None,
             clusters=clusters)
-        # Multiple choice only: a verdict there is a label for the option temperature (training/retrain_labelled.py);
-        # nothing reads a free-form one yet, and a row more per answer costs at the gateway's ceiling.
-        served = (ServedAnswer(self.engine.artifact_version, scoring.kind.value, choice.confidence, None, choice.chosen,
-                               choice.option_probs) if choice.option_probs is not None else None)
+        # What a verdict on this answer is a label for (training/retrain_labelled.py): the options' scores under the
+        # option temperature, a free-form answer's token confidence under the token temperature.
+        served = None
+        if choice.option_probs is not None:
+            served = ServedAnswer(self.engine.artifact_version, scoring.kind.value, choice.confidence, None,
+                                  choice.chosen, choice.option_probs)
+        elif scoring.method is ConfidenceMethod.TOKEN:
+            served = ServedAnswer(self.engine.artifact_version, scoring.kind.value, choice.confidence, "token")
         return Answer(policy.message if abstained else choice.text, choice.finish_reason, calibration,
                       choice.completion_tokens, no_positions if abstained else self._positions(choice, letters), served)
 

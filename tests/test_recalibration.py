@@ -155,6 +155,55 @@ def test_a_job_recalibrates_on_feedback_verdicts_alone(tmp_path, embedded_model_
 
 
 @pytest.mark.slow
+def test_a_job_on_verdicts_of_both_modes_recalibrates_both_in_one_version(tmp_path, embedded_model_dir):
+    """A domain with mixed traffic and no uploaded labels: 300 multiple-choice answers (under-confident: truth from
+    softmax(scores / 0.4)) and 300 free-form answers (over-confident: right with probability c ** 2 at served token
+    confidence c) judged by feedback. The job (method auto) fits both maps from the stored served scores, without an
+    engine, and one promoted version carries both: option temperature down, token temperature down towards 0.5."""
+    from calm_core.artifact import load_artifact
+    from calm_core.jobs import JobQueue
+    from calm_core.paths import BUNDLED_DIR
+    from calm_core.registry import Registry
+    from calm_core.served_answers import ServedAnswer
+    from gateway.store import Store
+    from training.retrain import Worker
+    from training.retrain_gate import load_loop_config
+
+    store = Store(tmp_path / "gw.sqlite3")
+    registry = Registry(store, tmp_path / "registry")
+    default = registry.ensure_default(BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct")
+    choices = judged_answers(300, 0.4, seed=5, options=4)
+    rng = np.random.default_rng(6)
+    token_conf = rng.uniform(0.05, 0.95, 300)
+    token_right = rng.random(300) < token_conf ** 2
+    rows = [(f"m{i:03d}", "trivia", float(np.exp(j.log_probs.max())), ServedAnswer(
+        default, "multiple_choice", float(np.exp(j.log_probs.max())), None, j.chosen, tuple(np.exp(j.log_probs))))
+        for i, j in enumerate(choices)]
+    rows += [(f"f{i:03d}", "trivia", float(c), ServedAnswer(default, "free_form", float(c), "token"))
+             for i, c in enumerate(token_conf)]
+    store.record_responses(rows)
+    for (key, *_), right in zip(rows, [j.correct for j in choices] + list(token_right)):
+        store.add_feedback(key, bool(right))
+    (tmp_path / "loop.toml").write_text(f'runs_dir = "{tmp_path / "jobs"}"\n')
+    worker = Worker(load_loop_config(tmp_path / "loop.toml"), store, tmp_path / "registry")
+    job, _ = JobQueue(store).enqueue("trivia", "operator")
+    assert worker.run(once=True) == 1
+    done = JobQueue(store).get(job.id)
+    assert done.status == "promoted", done.log
+    assert done.result["modes"] == ["multiple_choice", "free_form"]
+    assert done.result["judged_answers"] == 300 and done.result["free_form"]["judged_answers"] == 300
+    for part in (done.result, done.result["free_form"]):
+        assert part["check"]["passed"] and part["check"]["ece_after"] < part["check"]["ece_before"]
+    new, parent = load_artifact(registry.path_of(done.candidate)), load_artifact(registry.path_of(default))
+    assert new.manifest.option_temperature == pytest.approx(parent.manifest.option_temperature * 0.4, rel=0.25)
+    assert new.free_form.manifest.token_temperature == pytest.approx(
+        parent.free_form.manifest.token_temperature * 0.5, rel=0.25)
+    assert "300 answers judged by feedback" in new.free_form.manifest.recalibration.fitted_on
+    assert new.free_form.manifest.reference_histograms["trivia"] and new.manifest.reference_histograms["trivia"]
+    assert registry.serving("trivia") == done.candidate
+
+
+@pytest.mark.slow
 def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_other_domains_keep_theirs(
         tmp_path, embedded_model_dir, shared_data):
     """ARC-Easy, where the shipped version is under-confident, as a domain with 150 uploaded labels: the worker fits

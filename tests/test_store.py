@@ -201,7 +201,7 @@ def test_replicas_starting_together_on_an_empty_postgresql_create_the_tables_onc
 
 
 def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_reviews(database):
-    from calm_core.served_answers import ServedAnswer, judged_choices
+    from calm_core.served_answers import ServedAnswer, judged_choices, judged_free_form
     from gateway.handoff_store import HandoffStore, Review
 
     store = Store(database)
@@ -221,3 +221,9 @@ def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_r
     assert [(j.chosen, j.correct) for j in judged] == [(0, False), (0, True)]
     assert judged[0].log_probs == pytest.approx([-0.356675, -1.609438, -2.302585], abs=1e-6)
     assert judged_choices(store, "medicine", "v1") == [] and len(judged_choices(store, "science", "v0")) == 1
+    # A free-form answer's verdict is a label for the token temperature: its served token confidence and the verdict.
+    store.record_responses([("g", "science", 0.8, ServedAnswer("v1", "free_form", 0.8, "token")),
+                            ("h", "science", 0.7, ServedAnswer("v1", "free_form", 0.7, "semantic"))])  # not a token one
+    assert store.add_feedback("g", False) is True and store.add_feedback("h", True) is True
+    assert [(j.confidence, j.correct) for j in judged_free_form(store, "science", "v1")] == [(0.4, True), (0.8, False)]
+    assert judged_free_form(store, "science", "v0") == []

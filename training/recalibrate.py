@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from calm_core.artifact import FREE_FORM_DIR, Recalibration, derive_version, update_manifest
+from calm_core.artifact import FREE_FORM_DIR, Recalibration, derive_version, load_artifact, update_manifest
 from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
 from calm_core.models import resolve_model
-from calm_core.served_answers import JudgedChoice
+from calm_core.served_answers import JudgedChoice, JudgedConfidence
 from calm_core.recalibration import (check_held_out, check_held_out_confidence, fit_confidence_temperature,
                                      fit_temperature, powered, split_fit_held_out, tempered)
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
@@ -103,35 +103,47 @@ def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True, judge
     return summary
 
 
-def run_recalibrate_free_form(cfg: RecalibrateConfig, engines: EngineFactory, raise_on_failure: bool = True) -> dict:
+def run_recalibrate_free_form(cfg: RecalibrateConfig, engines: EngineFactory | None, raise_on_failure: bool = True,
+                              judged: Sequence[JudgedConfidence] = (), onto: Path | None = None) -> dict:
     """The free-form mode's token confidence fitted to open-ended labels (alias answers): greedy answers and their
-    token confidence as the version serves them (vLLM, `engines`), T fitted on a seeded part, checked on the rest;
-    a version that passes keeps everything of its parent but the mode's token temperature and the domain's reference."""
+    token confidence as the version serves them (vLLM, `engines`; not needed when every label is a judged answer),
+    T fitted on a seeded part, checked on the rest. `judged`: the parent's free-form answers that feedback judged,
+    their token confidence as served. A version that passes keeps everything of its parent but the mode's token
+    temperature and the domain's reference; `onto`: a candidate already derived from the parent (its multiple-choice
+    map recalibrated by the same job) that takes the free-form change instead of a new version."""
     resolved = resolve_model(None)
     parent = load_verified_artifact(cfg.artifact, resolved.path, load_tokenizer(resolved.path))
     mode = parent.free_form
     if mode is None:
         raise CalmError(f"{cfg.artifact} has no free-form mode to recalibrate")
     questions = sample_questions(cfg.labels.load(), cfg.limit, cfg.seed)
-    records = evaluate_served(engines, resolved.path, mode.path, questions, samples=0)
-    conf = np.array([r.token_confidence for r in records])
-    correct = np.array([r.correct for r in records])
-    fit, held = split_fit_held_out(len(records), cfg.held_out, cfg.seed)
+    if questions and engines is None:
+        raise CalmError("scoring labelled free-form questions needs an engine (calm worker passes vLLM in process)")
+    records = evaluate_served(engines, resolved.path, mode.path, questions, samples=0) if questions else []
+    conf = np.array([r.token_confidence for r in records] + [j.confidence for j in judged], dtype=np.float64)
+    correct = np.array([r.correct for r in records] + [j.correct for j in judged], dtype=bool)
+    fit, held = split_fit_held_out(len(conf), cfg.held_out, cfg.seed)
     t = fit_confidence_temperature(conf[fit], correct[fit])
     check = check_held_out_confidence(conf[held], correct[held], t)
     summary = checked_summary(cfg, parent.manifest.artifact_version, len(fit), check, raise_on_failure)
+    summary["judged_answers"] = len(judged)
     if not check.passed:
         return summary
     numbers = {k: float(v) for k, v in asdict(check).items()}
     temperature = mode.manifest.token_temperature * t
     lineage = Recalibration(parent=parent.manifest.artifact_version, domain=cfg.domain, temperature=temperature,
-                            fitted_on=f"{len(fit)} labels of {cfg.labels.label} (free-form token confidence)",
-                            held_out=numbers)
-    manifest = derive_version(parent.path, cfg.out, "recalibrated", recalibration=lineage.model_dump(),
-                              metrics={**parent.manifest.metrics, f"held_out/{cfg.labels.label}": numbers})
+                            fitted_on=f"{len(fit)} labels ({len(records)} questions of {cfg.labels.label}, {len(judged)} "
+                                      "answers judged by feedback; free-form token confidence)", held_out=numbers)
+    if onto is None:
+        manifest = derive_version(parent.path, cfg.out, "recalibrated", recalibration=lineage.model_dump(),
+                                  metrics={**parent.manifest.metrics, f"held_out/{cfg.labels.label}": numbers})
+    else:
+        manifest = load_artifact(onto).manifest
     served = np.asarray(powered(conf, t))
-    update_manifest(Path(cfg.out) / FREE_FORM_DIR, token_temperature=temperature, reference_histograms={
-        **mode.manifest.reference_histograms, cfg.domain: reference_histogram(served)})
+    update_manifest(Path(onto or cfg.out) / FREE_FORM_DIR, token_temperature=temperature,
+                    recalibration=lineage.model_dump(), reference_histograms={
+                        **mode.manifest.reference_histograms, cfg.domain: reference_histogram(served)})
     summary.update(version=manifest.artifact_version, token_temperature=temperature)
-    Path(cfg.out, "recalibration.json").write_text(json.dumps(summary, indent=2))
+    Path(onto or cfg.out, "recalibration.json" if onto is None else "recalibration-free-form.json").write_text(
+        json.dumps(summary, indent=2))
     return summary

@@ -42,18 +42,19 @@ from calm_core.jobs import Job, JobQueue
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
-from calm_core.served_answers import JudgedChoice, judged_choices
+from calm_core.served_answers import judged_choices, judged_free_form
 from calm_core.splits import load_split, materialize
 from calm_core.toml_config import dump_toml
 from training.artifact_scoring import load_served_model, option_probabilities
 from training.artifacts import reference_histogram
 from training.config import load_config
 from training.retrain_data import (
-    FREE_FORM, MULTIPLE_CHOICE, captured_questions, job_split, labelled_questions, traffic_counts, write_questions,
+    FREE_FORM, MULTIPLE_CHOICE, captured_questions, job_split, labelled_open_questions, labelled_questions, traffic_counts,
+    write_questions,
 )
 from training.retrain_free_form import retrain_free_form
 from training.retrain_gate import GateInputs, LoopConfig, both, gate
-from training.retrain_labelled import job_method, labelled_result, recalibrate_for_job
+from training.retrain_labelled import DomainLabels, job_method, recalibrate_modes
 from training.scoring import load_tokenizer
 from training.trainer import Trainer
 
@@ -166,12 +167,15 @@ class Worker:
         parent = self.registry.serving(domain)
         prompts = self.capture.prompts(domain)
         labelled = labelled_questions(prompts, domain)
-        # Feedback verdicts on the serving version's multiple-choice answers are labels too (their scores were stored).
-        judged = judged_choices(self.registry.db, domain, parent) if parent else []
-        method = job_method(job.detail.get("method", self.cfg.method), len(labelled) + len(judged),
+        # Feedback verdicts on the serving version's answers are labels too (their scores as served were stored).
+        db = self.registry.db
+        labels = DomainLabels(labelled, judged_choices(db, domain, parent) if parent else [],
+                              labelled_open_questions(prompts, domain),
+                              judged_free_form(db, domain, parent) if parent else [])
+        method = job_method(job.detail.get("method", self.cfg.method), max(labels.counts().values()),
                             self.cfg.min_recalibration_labels, domain)
         if method == "labelled":
-            return self._recalibrate(job, job_dir, parent, labelled, judged, prompts, beat)
+            return self._recalibrate(job, job_dir, parent, labels, prompts, beat)
         modes = self._modes(domain, prompts)
         parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
         parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
@@ -273,18 +277,19 @@ class Worker:
             write_questions(calib_file, calibration)
         return calib_file
 
-    def _recalibrate(self, job: Job, job_dir: Path, parent: str | None, labelled: list[MCQuestion],
-                     judged: list[JudgedChoice], prompts: list[CapturedPrompt], beat: Heartbeat) -> Job:
+    def _recalibrate(self, job: Job, job_dir: Path, parent: str | None, labels: DomainLabels,
+                     prompts: list[CapturedPrompt], beat: Heartbeat) -> Job:
         if parent is None:
             raise CalmError(f"domain {job.domain!r} has no serving version to recalibrate")
-        beat.note(f"parent {parent}; fitting the labelled map on {len(labelled)} labelled questions and {len(judged)} "
-                  "answers judged by feedback", "judging")
-        labels_file = write_questions(job_dir / "labels.jsonl", labelled)
-        summary = recalibrate_for_job(self.registry.path_of(parent), labels_file, job.domain, job_dir / "candidate",
-                                      judged)
-        result = labelled_result(summary, parent, labelled, judged)
-        if "version" not in summary:  # the held-out check failed: nothing to register
-            return self.queue.finish(job.id, "rejected", result=result, line=f"rejected: {summary['reason']}")
+        beat.note(f"parent {parent}; fitting the labelled maps: {len(labels.multiple_choice)} multiple-choice and "
+                  f"{len(labels.free_form)} free-form questions uploaded, {len(labels.judged_choices)} and "
+                  f"{len(labels.judged_free_form)} answers judged by feedback", "judging")
+        # An engine scores uploaded free-form questions (greedy answers as served); judged answers come with theirs.
+        result, written = recalibrate_modes(self.registry.path_of(parent), parent, labels, job.domain, job_dir,
+                                            self.cfg.min_recalibration_labels, self.engines)
+        if not written:  # a held-out check failed: nothing to register
+            reasons = [r["reason"] for r in (result, result.get(FREE_FORM) or {}) if r and "version" not in r]
+            return self.queue.finish(job.id, "rejected", result=result, line=f"rejected: {'; '.join(reasons)}")
         trigger = job.trigger if job.trigger in ("alert", "operator", "schedule") else "operator"
         record = self.registry.add(job_dir / "candidate", trigger=trigger, domain=job.domain, parent=parent,
                                    job_id=job.id, metrics=result,
