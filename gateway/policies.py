@@ -16,6 +16,7 @@ wrong at most a share r of the time. Until `min_labels` verdicts exist the decla
 from __future__ import annotations
 
 from enum import Enum
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, model_validator
@@ -141,6 +142,12 @@ class ResolvedPolicy(BaseModel):
         return self.abstain_all or confidence < self.threshold
 
 
+@lru_cache(maxsize=256)
+def _label_free(edges: tuple, counts: tuple, target_risk: float) -> float:
+    """The label-free threshold of a reference histogram, once per histogram and target (it is read per request)."""
+    return label_free_threshold(edges, counts, target_risk)
+
+
 def resolve(
     policy: Policy | None,
     name: str,
@@ -155,7 +162,8 @@ def resolve(
         base, action, message = 0.0, Action.ANNOTATE, Policy.model_fields["message"].default
         name = "builtin"
     else:
-        label_free = label_free_threshold(*reference, policy.target_risk) if reference and policy.target_risk else 1.0
+        label_free = (_label_free(tuple(reference[0]), tuple(reference[1]), policy.target_risk)
+                      if reference and policy.target_risk else 1.0)
         if policy.threshold is not None:
             base = policy.threshold
         elif policy.delta is None:

@@ -120,9 +120,12 @@ def test_confidence_window_detects_shift_and_forgets():
 def test_threshold_for_risk():
     edges = [0.0, 0.25, 0.5, 0.75, 1.0]
     # centres .125 .375 .625 .875; equal counts. Risk from edge 0: 1-.5=.5; from .25: 1-.625=.375; .5: .25; .75: .125
-    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.3) == 0.5
+    # α = 0.3 lies inside [.25, .5]: keeping its top u (v = u / .25 of its answers, mean .5 − u/2) with the 2 above
+    # (sum 1.5) has mean .7 at v² + 1.6 v − .8 = 0, v = .4: t = .5 − .1 = .4.
+    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.3) == pytest.approx(0.4)
     assert threshold_for_risk(edges, [1, 1, 1, 1], 0.5) == 0.0
-    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.01) == 1.0
+    assert threshold_for_risk(edges, [1, 1, 1, 1], 0.01) == pytest.approx(0.98)  # the top bin's answers ≥ .98: mean .99
+    assert threshold_for_risk(edges, [1, 1, 1, 0], 0.01) == 1.0  # none that confident: abstain on every answer
 
 
 def test_policy_rules():
@@ -136,7 +139,7 @@ def test_policy_rules():
     assert resolve(strict, "x:v1", None, 0.3).threshold == 0.6  # looser request is ignored
     assert resolve(None, "builtin", None, None).action is Action.ANNOTATE
     risk = Policy(target_risk=0.3)
-    assert resolve(risk, "r", ([0.0, 0.25, 0.5, 0.75, 1.0], [1, 1, 1, 1]), None).threshold == 0.5
+    assert resolve(risk, "r", ([0.0, 0.25, 0.5, 0.75, 1.0], [1, 1, 1, 1]), None).threshold == pytest.approx(0.4)
     assert resolve(risk, "r", None, None).threshold == 1.0  # no reference: never claim the target is met
 
 
@@ -609,6 +612,13 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
         assert raw.free_form and not raw.calibrated and raw.prompt_logprobs and raw.prompt_token_ids[-2:] == (7, 8)
         health = client.get("/health").json()
         assert "free-form mode ff-v1" in health["scoring"]["free_form"]
+        # Its verdict is a label for the free-form map: the token confidence as served, judged.
+        assert client.post("/v1/feedback", json={"response_id": r.json()["id"], "correct": False}).status_code == 200
+    from calm_core.db import Database
+    from calm_core.served_answers import judged_free_form
+
+    judged = judged_free_form(Database(tmp_path / "g.db"), "other", "test-v1")  # no domain named: "other"
+    assert [(j.confidence, j.correct) for j in judged] == [(pytest.approx(math.exp(-0.2)), False)]
     # Without a free-form mode in the engine, free form falls back to the base weights without the head.
     engine = FreeFormModeEngine()
     engine.free_form_mode = False

@@ -55,6 +55,31 @@ def test_sequence_start_and_label_free_threshold_from_a_reference_histogram():
     # 1 − mean(conf | conf ≥ t), with bin centres: all answers 0.3 → t = 0.2 keeps it at 0.7.
     assert label_free_threshold(edges, [0, 0, 0, 10, 0, 0, 0, 0, 0, 0], 0.7) == 0.0
     assert label_free_threshold(edges, [0, 0, 0, 10, 0, 0, 0, 0, 0, 0], 0.5) == 1.0
+    assert label_free_threshold(edges, [0] * 10, 0.5) == 1.0
+
+
+def _estimated_risk(edges, counts, t: float) -> float:
+    """1 − mean(conf | conf ≥ t) with each bin's answers spread evenly over it (by brute force on a fine grid)."""
+    points = np.concatenate([np.linspace(lo, hi, 20001)[:-1] + (hi - lo) / 40000 for lo, hi in zip(edges, edges[1:])])
+    weights = np.repeat(np.asarray(counts, dtype=float), 20000)
+    kept = points >= t
+    return 1.0 - float((points * weights)[kept].sum() / weights[kept].sum())
+
+
+def test_the_label_free_threshold_is_where_the_histograms_estimated_risk_meets_the_target():
+    """Not on a bin edge: the smallest t whose estimated risk is at most the target, inside its bin."""
+    edges = list(np.linspace(0, 1, 11))
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        counts = rng.integers(1, 30, 10) * (rng.random(10) < 0.8)
+        target = float(rng.uniform(0.05, 0.5))
+        t = label_free_threshold(edges, counts, target)
+        if t == 1.0:  # no t keeps the promise: even the best bin's top answers are not confident enough
+            assert _estimated_risk(edges, counts, edges[int(np.flatnonzero(counts)[-1]) + 1] - 1e-4) > target - 1e-3
+            continue
+        assert _estimated_risk(edges, counts, t) <= target + 1e-3
+        if t > 0:
+            assert _estimated_risk(edges, counts, t - 0.01) > target
 
 
 def test_guarantee_holds_over_random_splits_of_synthetic_answers():
