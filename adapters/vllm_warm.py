@@ -20,8 +20,10 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from adapters.vllm_common import FREE_FORM_DIR, HEAD_ARG_KEY, REGISTRY_ENV, served_adapter, served_name
-from calm_core.registry import read_served
+from adapters.vllm_common import (FREE_FORM_DIR, HEAD_ARG_KEY, REGISTRY_URL_ENV, registry_folder, resolve_version,
+                                  served_adapter, served_name)
+from calm_core.registry import SERVED_FILE, read_served, served_versions
+from calm_core.registry_mirror import MirrorError, RegistryMirror
 
 log = logging.getLogger("calm.engine")
 
@@ -31,9 +33,24 @@ def served_names(root: Path, versions: Iterable[str]) -> list[str]:
     names = []
     for version in versions:
         names.append(served_name(version))
-        if (root / version / FREE_FORM_DIR).is_dir():
+        try:
+            folder = resolve_version(version)  # fetched from the registry URL where the engine has one
+        except ValueError:
+            folder = root / version
+        if (folder / FREE_FORM_DIR).is_dir():
             names.append(served_name(version, free_form=True))
     return names
+
+
+def served_list(root: Path) -> list[str]:
+    """The gateways' serving list: in the registry folder, or at the registry URL where the engine has one."""
+    url = os.environ.get(REGISTRY_URL_ENV)
+    if not url:
+        return read_served(root)
+    try:
+        return served_versions(RegistryMirror(url).read_text(SERVED_FILE))
+    except (OSError, MirrorError):
+        return []
 
 
 async def call(app, scope: dict, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
@@ -65,8 +82,7 @@ async def call(app, scope: dict, method: str, path: str, body: dict | None = Non
 class ServedVersionsFirst:
     def __init__(self, app, root: str | None = None):
         self.app = app
-        root = root or os.environ.get(REGISTRY_ENV)
-        self.root = Path(root) if root else None
+        self.root = Path(root) if root else registry_folder()
         self.loaded: list[str] = []  # served names loaded so far
         self.failed: dict[str, str] = {}  # served name -> why it could not be loaded
         self._loading: asyncio.Task | None = None
@@ -90,7 +106,8 @@ class ServedVersionsFirst:
 
     async def _load_all(self, scope: dict) -> None:
         try:
-            names = served_names(self.root, read_served(self.root))
+            # Off the loop: with a registry URL the list and the versions are fetched over the network.
+            names = await asyncio.to_thread(lambda: served_names(self.root, served_list(self.root)))
             if not names:
                 return
             status, body = await call(self.app, scope, "GET", "/v1/models")

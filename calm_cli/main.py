@@ -497,7 +497,7 @@ def _registry():
     from gateway.settings import GatewaySettings
 
     settings = GatewaySettings()
-    return Registry(_store(), settings.registry_root)
+    return Registry(_store(), settings.registry_root, settings.registry_url)
 
 
 def _echo_json(data) -> None:
@@ -617,7 +617,7 @@ def worker(
     settings = GatewaySettings()
     # Free-form modes are judged as served: vLLM in process, one engine per artifact scored.
     runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
-                    settings.model, launcher, engines=artifact_engine)
+                    settings.model, launcher, engines=artifact_engine, registry_url=settings.registry_url)
     typer.echo(f"calm worker {runner.name}: jobs from {settings.database}")
     runner.run(once=once)
 

@@ -73,7 +73,7 @@ def serving_default(settings, configured: Path) -> Path:
 
     store = Store(settings.database)
     try:
-        registry = Registry(store, settings.registry_root)
+        registry = Registry(store, settings.registry_root, settings.registry_url)
         return registry.path_of(registry.ensure_default(configured))
     finally:
         store.close()

@@ -28,6 +28,7 @@ from calm_core.artifact import load_artifact
 from calm_core.atomic import atomic_dir
 from calm_core.db import Database
 from calm_core.errors import CalmError
+from calm_core.registry_mirror import RegistryMirror
 
 GLOBAL = "*"
 # In the registry folder: the versions the gateways serve now, for engines that restart to load before taking traffic
@@ -101,15 +102,28 @@ def training_data_sha256(manifest) -> str:
 def read_served(root: str | Path) -> list[str]:
     """The versions of the registry folder's serving list ([] when there is none or it cannot be read)."""
     try:
-        versions = json.loads((Path(root) / SERVED_FILE).read_text()).get("versions", [])
-    except (OSError, ValueError, AttributeError):
+        return served_versions((Path(root) / SERVED_FILE).read_text())
+    except OSError:
+        return []
+
+
+def served_versions(text: str | None) -> list[str]:
+    """The versions of a serving list's text ([] for none, or for text that is not one)."""
+    try:
+        versions = json.loads(text or "{}").get("versions", [])
+    except (ValueError, AttributeError):
         return []
     return [v for v in versions if isinstance(v, str)]
 
 
 class Registry:
-    def __init__(self, db: Database, root: str | Path):
+    """`root`: this process's registry folder. `url`: where the registry lives when the fleet's machines share no
+    volume (calm_core/registry_mirror.py): versions are uploaded there when added and fetched from there into `root`
+    when first used, and the serving list is kept there too."""
+
+    def __init__(self, db: Database, root: str | Path, url: str | None = None):
         self.db, self.root = db, Path(root)
+        self.mirror = RegistryMirror(url) if url else None
         db.create_tables(META)
 
     def publish_served(self, versions: Iterable[str]) -> None:
@@ -120,6 +134,8 @@ class Registry:
             json.dump({"versions": sorted(set(versions)), "at": time.time()}, f)
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.root / SERVED_FILE)
+        if self.mirror is not None:
+            self.mirror.write_text(SERVED_FILE, (self.root / SERVED_FILE).read_text())
 
     # -- reading --------------------------------------------------------------------------------------------------
     def active(self) -> dict[str, str]:
@@ -159,10 +175,16 @@ class Registry:
             return [dict(r) for r in c.execute(query).mappings().all()]
 
     def path_of(self, version: str) -> Path:
+        """The version's folder on this machine (fetched from the registry URL the first time, where there is one)."""
         record = self.get(version)
         if record is None:
             raise RegistryError(f"no artifact version {version!r} in the registry", 404)
-        return Path(record.path)
+        if self.mirror is None:
+            return Path(record.path)
+        fetched = self.mirror.download(version, self.root)  # this process's folder: the registering one's may not exist here
+        if fetched is None:
+            raise RegistryError(f"artifact version {version!r} is registered but missing at {self.mirror.url}", 404)
+        return fetched
 
     # -- writing --------------------------------------------------------------------------------------------------
     def add(self, artifact_dir: str | Path, *, trigger: str, domain: str | None = None, parent: str | None = None,
@@ -181,6 +203,8 @@ class Registry:
             with atomic_dir(target) as tmp:
                 shutil.copytree(artifact_dir, tmp, dirs_exist_ok=True)
         load_artifact(target)  # the copy verifies like the original
+        if self.mirror is not None:  # before the row: a registered version is always there to fetch
+            self.mirror.upload(version, target)
         row = dict(version=version, path=str(target.resolve()), status="candidate", domain=domain, parent=parent,
                    trigger=trigger, job_id=job_id, training_sha256=training_data_sha256(manifest),
                    calibration_sha256=calibration_sha256, metrics=json.dumps(metrics or {}), reason=None,

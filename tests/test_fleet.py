@@ -39,13 +39,15 @@ def versions(tmp_path_factory, shipped_artifact):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, embedded_model_dir, shipped_artifact, postgres_url, versions):
+def fleet(tmp_path_factory, embedded_model_dir, shipped_artifact, postgres_url, versions, s3_store):
+    """The registry on S3 (a real S3 API here), each engine and replica with a folder of its own: machines that share
+    no volume. Versions are registered (uploaded) from the test, as the worker does."""
     from calm_core.db import Database
     from calm_core.registry import Registry
 
     tmp = tmp_path_factory.mktemp("fleet")
-    f = Fleet(tmp, embedded_model_dir, postgres_url)
-    registry = Registry(Database(postgres_url), f.registry)
+    f = Fleet(tmp, embedded_model_dir, postgres_url, "s3://calm-registry/fleet", s3_store[1])
+    registry = Registry(Database(postgres_url), f.registry, f.registry_url)
     registry.ensure_default(shipped_artifact.path)
     registry.add(versions[2], trigger="operator", domain="science")  # a candidate, promoted by a test
     with f.stack:

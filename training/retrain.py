@@ -126,11 +126,11 @@ class Heartbeat:
 class Worker:
     def __init__(self, cfg: LoopConfig, db: Database, registry_root: Path, name: str | None = None,
                  lease_s: float = 60.0, model: str | None = None, launcher: str | None = None,
-                 engines: EngineFactory | None = None):
+                 engines: EngineFactory | None = None, registry_url: str | None = None):
         # engines: how free-form modes are scored as served (vLLM in process from `calm worker`)
         self.cfg, self.model, self.launcher, self.engines = cfg, model, launcher, engines
         self.queue = JobQueue(db, lease_s=lease_s)
-        self.registry = Registry(db, registry_root)
+        self.registry = Registry(db, registry_root, registry_url)
         self.capture = Capture(db)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat_s = max(min(lease_s / 4, 5.0), 0.2)
