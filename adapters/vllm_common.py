@@ -6,7 +6,6 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 
 from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
@@ -60,11 +59,6 @@ def registry_folder() -> Path | None:
     return None
 
 
-@lru_cache(maxsize=4)
-def _mirror(url: str) -> RegistryMirror:
-    return RegistryMirror(url)
-
-
 def _roots(extra: dict | None = None) -> list[Path]:
     roots = set(_ROOTS)
     for root in ((extra or {}).get(REGISTRY_CONFIG_KEY), registry_folder()):
@@ -79,7 +73,7 @@ def _version_in(root: Path, version: str) -> Path | None:
     url = os.environ.get(REGISTRY_URL_ENV)
     if url and not folder.is_dir() and root == registry_folder():
         try:
-            _mirror(url).download(version, root)
+            RegistryMirror(url).download(version, root)  # only on a miss: each version once
         except MirrorError as e:
             raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: version {version!r}: {e}") from None
     return folder if folder.is_dir() and folder.resolve().parent == root else None

@@ -37,7 +37,9 @@ class RegistryMirror:
         import fsspec  # only where a URL is configured: s3fs and its kin are optional
 
         try:
-            self.fs, self.base = fsspec.core.url_to_fs(url)
+            # A filesystem of its own: fsspec's shared instance keeps the client (endpoint, credentials) it was first
+            # made with, and a process may meet more than one store (the tests meet a new S3 endpoint per module).
+            self.fs, self.base = fsspec.core.url_to_fs(url, skip_instance_cache=True)
         except (ImportError, ValueError) as e:
             raise MirrorError(f"registry URL {url!r}: {e} (s3:// needs `pip install s3fs`)") from None
         self.url = url
