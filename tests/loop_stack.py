@@ -18,6 +18,10 @@ import yaml
 from tests.servers import REPO, background, calm_argv, free_port, running
 
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
+# The loop tests' HTTP calls: on a loaded 2-core machine (a worker training and judging beside the gateway, another
+# test file's engines) a poll can take longer than httpx's 5 s default to be answered; a slow answer is not a failure
+# (a fresh-clone run failed that way once), the deadline of each wait is.
+http = httpx.Client(timeout=120)
 RULES = REPO / "deploy" / "prometheus" / "alerts.yml"
 ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 
@@ -71,21 +75,21 @@ alerting:
 
 
 def psi(gateway: str, domain: str = "science") -> float:
-    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
+    for line in http.get(f"{gateway}/metrics").text.splitlines():
         if line.startswith(f'calm_drift_psi{{domain="{domain}"}}'):
             return float(line.split()[-1])
     raise AssertionError(f"no drift gauge for {domain}")
 
 
 def registry_syncs(gateway: str) -> float:
-    for line in httpx.get(f"{gateway}/metrics").text.splitlines():
+    for line in http.get(f"{gateway}/metrics").text.splitlines():
         if line.startswith('calm_registry_syncs_total{outcome="ok"}'):
             return float(line.split()[-1])
     return 0.0
 
 
 def prometheus_value(prometheus: str, query: str) -> float | None:
-    result = httpx.get(f"{prometheus}/api/v1/query", params={"query": query}).json()["data"]["result"]
+    result = http.get(f"{prometheus}/api/v1/query", params={"query": query}).json()["data"]["result"]
     return float(result[0]["value"][1]) if result else None
 
 
@@ -93,16 +97,16 @@ def rules_evaluated_after(prometheus: str, timestamp: float) -> bool:
     """Every rule group has been evaluated after `timestamp` (Unix seconds)."""
     def unix(rfc3339: str) -> float:  # Prometheus gives nanoseconds; datetime takes microseconds
         return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", rfc3339).replace("Z", "+00:00")).timestamp()
-    groups = httpx.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"]
+    groups = http.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"]
     return bool(groups) and all(unix(g["lastEvaluation"]) > timestamp for g in groups)
 
 
 def jobs(gateway: str, **params) -> list[dict]:
-    return httpx.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
+    return http.get(f"{gateway}/admin/jobs", params=params, headers=ADMIN).json()["data"]
 
 
 def drift_alerts(prometheus: str, domain: str) -> list[dict]:
-    alerts = httpx.get(f"{prometheus}/api/v1/alerts").json()["data"]["alerts"]
+    alerts = http.get(f"{prometheus}/api/v1/alerts").json()["data"]["alerts"]
     return [a for a in alerts if a["labels"]["alertname"] == "CalmConfidenceDrift" and a["labels"].get("domain") == domain]
 
 

@@ -21,12 +21,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
-import httpx
 import pytest
 
 from calm_core.data import load_mc, load_open
 from tests.loop_stack import (
-    ADMIN, drift_alerts, jobs, loop_stack, prometheus_value, psi, registry_syncs, rules_evaluated_after,
+    ADMIN, drift_alerts, http, jobs, loop_stack, prometheus_value, psi, registry_syncs, rules_evaluated_after,
 )
 from tests.recorded import record_runs, write_markdown
 from tests.servers import REPO, background, calm_argv, free_port, wait_until
@@ -86,7 +85,7 @@ path = "{test_file}"
 
 
 def ask(gateway: str, q: dict) -> dict:
-    r = httpx.post(f"{gateway}/v1/chat/completions", timeout=300, json={
+    r = http.post(f"{gateway}/v1/chat/completions", timeout=300, json={
         "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": q["question"]}],
         "options": q["choices"], "metadata": {"domain": "science"}})
     r.raise_for_status()
@@ -100,7 +99,7 @@ def send(gateway: str, questions: list[dict]) -> list[dict]:
 
 def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):
     gateway, tmp, prometheus = loop["gateway"], loop["tmp"], loop["prometheus"]
-    before_version = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+    before_version = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
 
     # In-domain first: held-out grade-school science questions, from the population the shipped version's reference
     # histogram was built on. The alert stays quiet.
@@ -115,7 +114,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert psi_in < 0.25, psi_in
     assert drift_alerts(prometheus, "science") == []
 
-    r = httpx.put(f"{gateway}/admin/capture/science", json={"enabled": True}, headers=ADMIN)
+    r = http.put(f"{gateway}/admin/capture/science", json={"enabled": True}, headers=ADMIN)
     assert r.status_code == 200, r.text
 
     shifted = two_way(shared_data, 0, 120, seed=0)
@@ -135,20 +134,20 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert done["status"] == "promoted", json.dumps(done, indent=1)
     candidate = done["candidate"]
     routes = wait_until("the gateway to serve the candidate", lambda: (
-        (h := httpx.get(f"{gateway}/health").json()["versions"]["routes"]).get("science") == candidate and h), 400, 2)
+        (h := http.get(f"{gateway}/health").json()["versions"]["routes"]).get("science") == candidate and h), 400, 2)
     assert routes["*"] == before_version  # other domains keep the default
     promoted_at = time.time()
 
     after = send(gateway, two_way(shared_data, 120, 220, seed=2))
     assert {c["artifact_version"] for c in after} == {candidate}
-    assert httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+    assert http.post(f"{gateway}/v1/chat/completions", timeout=60, json={
         "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": "Which gas do plants take in?"}],
         "options": ["oxygen", "carbon dioxide"], "metadata": {"domain": "medicine"}}).json()["choices"][0][
         "calibration"]["artifact_version"] == before_version
     psi_after = psi(gateway)
     assert psi_after < 0.25, (psi_shifted, psi_after)
 
-    record = httpx.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
+    record = http.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
     assert record["parent"] == before_version and record["trigger"] == "alert" and record["job_id"] == done["id"]
     assert record["status"] == "active" and record["active_for"] == ["science"] and record["calibration_sha256"]
     measured = {"psi_in_domain": round(psi_in, 3), "alert_to_promotion_s": round(done["finished_at"] - done["created_at"], 1),
@@ -161,19 +160,19 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     # A candidate that fails its gate is rejected and the promoted version keeps serving.
     loop["worker"].send_signal(signal.SIGTERM)
     loop["worker"].wait(60)
-    r = httpx.post(f"{gateway}/admin/jobs", json={"domain": "science"}, headers=ADMIN)
+    r = http.post(f"{gateway}/admin/jobs", json={"domain": "science"}, headers=ADMIN)
     assert r.status_code == 201 and r.json()["created"], r.text
     out = subprocess.run(calm_argv("worker", "--config", str(tmp / "strict.toml"), "--once"), cwd=REPO,
                          env={**os.environ, **loop["env"]}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rejected = httpx.get(f"{gateway}/admin/jobs/{r.json()['id']}", headers=ADMIN).json()
+    rejected = http.get(f"{gateway}/admin/jobs/{r.json()['id']}", headers=ADMIN).json()
     assert rejected["status"] == "rejected", json.dumps(rejected, indent=1)
-    record = httpx.get(f"{gateway}/admin/artifacts/{rejected['candidate']}", headers=ADMIN).json()
+    record = http.get(f"{gateway}/admin/artifacts/{rejected['candidate']}", headers=ADMIN).json()
     assert record["status"] == "rejected" and "accuracy" in record["reason"]
     # Two registry syncs after the rejection (the second one began after it was recorded): nothing switches.
     syncs = registry_syncs(gateway)
     wait_until("two registry syncs after the rejection", lambda: registry_syncs(gateway) >= syncs + 2, 120, 0.2)
-    assert httpx.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
+    assert http.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
     assert {c["artifact_version"] for c in send(gateway, shifted[:4])} == {candidate}
 
 

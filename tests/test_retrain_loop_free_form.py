@@ -23,14 +23,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
-import httpx
 import numpy as np
 import pytest
 
 from calm_core.answers import ANSWER_TOKENS, is_correct
 from calm_core.data import OpenQuestion, load_open
 from calm_core.metrics import auroc, binned_calibration_error
-from tests.loop_stack import ADMIN, drift_alerts, jobs, loop_stack, psi
+from tests.loop_stack import ADMIN, drift_alerts, http, jobs, loop_stack, psi
 from tests.recorded import record_runs, write_markdown
 from tests.servers import free_port, wait_until
 
@@ -88,7 +87,7 @@ def answer(gateway: str, question: str, version: str | None = None) -> dict:
             "temperature": 0, "metadata": {"domain": DOMAIN}}
     if version is not None:
         body["calm"] = {"version": version}
-    r = httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=300)
+    r = http.post(f"{gateway}/v1/chat/completions", json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]
 
@@ -108,9 +107,9 @@ def held_out_metrics(choices: list[dict], questions: list[OpenQuestion]) -> dict
 
 def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_on_uploaded_labels(free_form_loop):
     gateway, prometheus = free_form_loop["gateway"], free_form_loop["prometheus"]
-    parent = httpx.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
-    assert httpx.put(f"{gateway}/admin/capture/{DOMAIN}", json={"enabled": True}, headers=ADMIN).status_code == 200
-    uploaded = httpx.post(f"{gateway}/admin/labels/{DOMAIN}", headers=ADMIN, timeout=600, json={"questions": [
+    parent = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+    assert http.put(f"{gateway}/admin/capture/{DOMAIN}", json={"enabled": True}, headers=ADMIN).status_code == 200
+    uploaded = http.post(f"{gateway}/admin/labels/{DOMAIN}", headers=ADMIN, timeout=600, json={"questions": [
         {"question": q.question, "answers": list(q.answers)} for q in free_form_loop["labels"]]})
     assert uploaded.status_code == 200 and uploaded.json()["scored"] == N_LABELS, uploaded.text
 
@@ -131,9 +130,9 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     assert result["captured_prompts"] <= result["reference_prompts"] <= N_TRAFFIC
     assert result["inputs"]["feedback_labels"] == N_LABELS  # judged on the uploaded labels
     candidate = done["candidate"]
-    wait_until("the gateway to serve the candidate", lambda: httpx.get(f"{gateway}/health").json()[
+    wait_until("the gateway to serve the candidate", lambda: http.get(f"{gateway}/health").json()[
         "versions"]["routes"].get(DOMAIN) == candidate, 400, 1)
-    record = httpx.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
+    record = http.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
     assert record["parent"] == parent and record["trigger"] == "alert" and record["active_for"] == [DOMAIN]
 
     held_out = free_form_loop["held_out"]
@@ -142,10 +141,10 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     assert {c["calibration"]["artifact_version"] for c in old} == {parent}
     psi_after = psi(gateway, DOMAIN)
     # Multiple-choice answers in the domain still come from the parent's multiple-choice mode (kept, not retrained).
-    mc = httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+    mc = http.post(f"{gateway}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Which gas do plants take in?"}],
         "options": ["oxygen", "carbon dioxide"], "metadata": {"domain": DOMAIN}}).json()["choices"][0]["calibration"]
-    pinned = httpx.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+    pinned = http.post(f"{gateway}/v1/chat/completions", timeout=60, json={
         "model": MODEL, "messages": [{"role": "user", "content": "Which gas do plants take in?"}],
         "options": ["oxygen", "carbon dioxide"], "metadata": {"domain": DOMAIN},
         "calm": {"version": parent}}).json()["choices"][0]["calibration"]
