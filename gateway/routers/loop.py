@@ -99,6 +99,7 @@ async def show_job(job_id: Annotated[str, FastAPIPath(pattern=r"^[0-9a-f]{1,32}$
 async def create_job(body: JobCreate, gateway: GatewayState = Depends(state)):
     domain = serving_domain(gateway, body.domain)
     detail = {"by": "admin", **({"method": body.method} if body.method else {})}
+    await gateway.capture_book.flush()  # the job's calibration set: every prompt this replica captured before it
     job, created = await asyncio.to_thread(gateway.jobs.enqueue, domain, "operator", detail)
     return {**job.as_dict(), "created": created}
 
@@ -106,6 +107,9 @@ async def create_job(body: JobCreate, gateway: GatewayState = Depends(state)):
 # -- Alertmanager webhook ---------------------------------------------------------------------------------------
 @router.post("/admin/alerts", responses=documented(400, 401, 403), status_code=202)
 async def alerts(payload: AlertmanagerPayload, gateway: GatewayState = Depends(state)) -> AlertsAccepted:
+    # Captured prompts are written after their answers, off the request path; a job queued now must find those of the
+    # traffic that raised the alert (a fresh-clone run on a loaded machine once started a job with 18 of 120 written).
+    await gateway.capture_book.flush()
     queued = await asyncio.to_thread(jobs_from_alerts, payload, gateway.jobs, set(gateway.monitor.known) - {OTHER})
     return AlertsAccepted(jobs=[{"id": j.id, "domain": j.domain, "status": j.status, "created": created}
                                 for j, created in queued])
