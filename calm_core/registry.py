@@ -130,12 +130,13 @@ class Registry:
         """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other."""
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{SERVED_FILE}.")
+        text = json.dumps({"versions": sorted(set(versions)), "at": time.time()})
         with os.fdopen(fd, "w") as f:
-            json.dump({"versions": sorted(set(versions)), "at": time.time()}, f)
+            f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, self.root / SERVED_FILE)
         if self.mirror is not None:
-            self.mirror.write_text(SERVED_FILE, (self.root / SERVED_FILE).read_text())
+            self.mirror.write_text(SERVED_FILE, text)
 
     # -- reading --------------------------------------------------------------------------------------------------
     def active(self) -> dict[str, str]:

@@ -12,7 +12,6 @@ never change once written, so a local copy is fetched once.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from calm_core.atomic import atomic_dir
@@ -20,12 +19,6 @@ from calm_core.errors import CalmError
 from calm_core.hashing import sha256_file
 
 INDEX_FILE = "calm-index.json"
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-
-
-def is_url(root: str | Path) -> bool:
-    """A registry root that names a remote store (s3://…) rather than a folder."""
-    return bool(_URL.match(str(root)))
 
 
 class MirrorError(CalmError):

@@ -104,13 +104,14 @@ def run_recalibrate(cfg: RecalibrateConfig, raise_on_failure: bool = True, judge
 
 
 def run_recalibrate_free_form(cfg: RecalibrateConfig, engines: EngineFactory | None, raise_on_failure: bool = True,
-                              judged: Sequence[JudgedConfidence] = (), onto: Path | None = None) -> dict:
+                              judged: Sequence[JudgedConfidence] = (), onto_candidate: bool = False) -> dict:
     """The free-form mode's token confidence fitted to open-ended labels (alias answers): greedy answers and their
     token confidence as the version serves them (vLLM, `engines`; not needed when every label is a judged answer),
     T fitted on a seeded part, checked on the rest. `judged`: the parent's free-form answers that feedback judged,
     their token confidence as served. A version that passes keeps everything of its parent but the mode's token
-    temperature and the domain's reference; `onto`: a candidate already derived from the parent (its multiple-choice
-    map recalibrated by the same job) that takes the free-form change instead of a new version."""
+    temperature and the domain's reference. `onto_candidate`: `cfg.out` already holds a candidate derived from the
+    parent (its multiple-choice map recalibrated by the same job), which takes the free-form change instead of a new
+    version."""
     resolved = resolve_model(None)
     parent = load_verified_artifact(cfg.artifact, resolved.path, load_tokenizer(resolved.path))
     mode = parent.free_form
@@ -134,16 +135,16 @@ def run_recalibrate_free_form(cfg: RecalibrateConfig, engines: EngineFactory | N
     lineage = Recalibration(parent=parent.manifest.artifact_version, domain=cfg.domain, temperature=temperature,
                             fitted_on=f"{len(fit)} labels ({len(records)} questions of {cfg.labels.label}, {len(judged)} "
                                       "answers judged by feedback; free-form token confidence)", held_out=numbers)
-    if onto is None:
+    if not onto_candidate:
         manifest = derive_version(parent.path, cfg.out, "recalibrated", recalibration=lineage.model_dump(),
                                   metrics={**parent.manifest.metrics, f"held_out/{cfg.labels.label}": numbers})
     else:
-        manifest = load_artifact(onto).manifest
+        manifest = load_artifact(cfg.out).manifest
     served = np.asarray(powered(conf, t))
-    update_manifest(Path(onto or cfg.out) / FREE_FORM_DIR, token_temperature=temperature,
+    update_manifest(Path(cfg.out) / FREE_FORM_DIR, token_temperature=temperature,
                     recalibration=lineage.model_dump(), reference_histograms={
                         **mode.manifest.reference_histograms, cfg.domain: reference_histogram(served)})
     summary.update(version=manifest.artifact_version, token_temperature=temperature)
-    Path(onto or cfg.out, "recalibration.json" if onto is None else "recalibration-free-form.json").write_text(
+    Path(cfg.out, "recalibration-free-form.json" if onto_candidate else "recalibration.json").write_text(
         json.dumps(summary, indent=2))
     return summary

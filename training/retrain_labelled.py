@@ -73,7 +73,7 @@ def recalibrate_modes(parent_dir: Path, parent: str, labels: DomainLabels, domai
         file = write_questions(job_dir / "labels-free-form.jsonl", list(labels.free_form))
         summary = run_recalibrate_free_form(
             RecalibrateConfig(str(parent_dir), DatasetSpec(str(file), "file"), domain, str(out)), engines,
-            raise_on_failure=False, judged=labels.judged_free_form, onto=out if results else None)
+            raise_on_failure=False, judged=labels.judged_free_form, onto_candidate=bool(results))
         results[FREE_FORM] = labelled_result(summary, parent, len(labels.free_form), len(labels.judged_free_form))
     written = all("version" in r for r in results.values())
     first = next(iter(results.values()))
