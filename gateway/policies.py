@@ -41,7 +41,10 @@ class Action(str, Enum):
 
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
-_HTTP_URL = r"^https?://[^\s/?#]+[^\s]*$"
+# Printable ASCII, spelled out (URLs and paths of this host; every regex engine and fuzzer reads the ranges alike, not
+# so `\s`): a host of anything but / ? #, then anything.
+_HTTP_URL = r"^https?://[\x21\x22\x24-\x2e\x30-\x3e\x40-\x7e]+[\x21-\x7e]*$"
+_ABSOLUTE_PATH = r"^/[\x21-\x7e]+$"
 
 
 class EscalationTarget(BaseModel):
@@ -53,7 +56,7 @@ class EscalationTarget(BaseModel):
     url: StrictStr = Field(pattern=_HTTP_URL, max_length=2000)
     model: StrictStr = Field(min_length=1, max_length=256)
     api_key_env: StrictStr | None = Field(default=None, pattern=_ENV_NAME)
-    api_key_file: StrictStr | None = Field(default=None, pattern=r"^/\S+$", max_length=4096)
+    api_key_file: StrictStr | None = Field(default=None, pattern=_ABSOLUTE_PATH, max_length=4096)
     timeout_s: StrictFloat = Field(default=30.0, gt=0.0, le=600.0)  # the whole call; then `on_failure` applies
     on_failure: Literal["annotate", "abstain"] = "annotate"
     # "calm": the target is a CALM gateway: options are sent as options (scored there) and its calibration passed on;

@@ -3,6 +3,7 @@ engine is fuzzed in tests/test_fuzz.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from gateway.protocol.common import WHITE_SPACE
 from tests.servers import free_port
 from tests.test_client_keys import make_app
 
@@ -36,7 +38,9 @@ def test_request_rules_are_in_the_schema(document):
     assert {"type": "integer", "minimum": 1, "maximum": 64} in chat["properties"]["max_tokens"]["anyOf"]
     assert any(rule["if"]["required"] == ["top_logprobs"] for rule in chat["allOf"])
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    assert prompt[0]["pattern"] == r"\S" and prompt[1]["maxItems"] == 1
+    nonblank = re.compile(prompt[0]["pattern"])  # some character that is not Unicode white space, spelled out
+    assert not any(nonblank.search(c) for c in WHITE_SPACE) and all(nonblank.search(c) for c in "x\x1c\u200b")
+    assert prompt[1]["maxItems"] == 1
     assert len(schemas["Policy"]["oneOf"]) == 2
     put = document["paths"]["/admin/policies/{domain}"]["put"]
     assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/Policy")

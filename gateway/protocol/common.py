@@ -15,10 +15,12 @@ def _integral(value):
 
 # JSON Schema counts 12.0 as an integer; so does the gateway (anything else non-integral is refused, as strict ints).
 StrictInt = Annotated[_StrictInt, BeforeValidator(_integral)]
-NONBLANK = r"\S"  # a string with some non-whitespace character (the schema form of `not blank(text)`)
-# What `\s` matches in the schema's regex engines (Unicode White_Space: pydantic-core's and jsonschema-rs's Rust regex):
-# Python's str.strip() also strips U+001C-U+001F, which a schema-valid text may consist of.
+# Unicode White_Space (what `\s` matches in pydantic-core's and jsonschema-rs's Rust regex). Python's str.strip() also
+# strips U+001C-U+001F, which a schema-valid text may consist of; and the fuzzers' generators read `\s` their own way,
+# so the schema spells the class out.
 WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680" + "".join(chr(c) for c in range(0x2000, 0x200B)) + "\u2028\u2029\u202f\u205f\u3000"
+# A string with some character that is not white space (the schema form of `not blank(text)`).
+NONBLANK = r"[^\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 
 
 def blank(text: str) -> bool:
