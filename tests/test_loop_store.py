@@ -4,6 +4,7 @@ and traffic capture; and the promotion gate, a pure function."""
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,6 +17,7 @@ from calm_core.paths import BUNDLED_DIR
 from calm_core.registry import GLOBAL, Registry, RegistryError
 from training.retrain_data import captured_questions
 from training.retrain_gate import GateInputs, LoopConfig, gate
+from tests.servers import wait_until
 
 SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
 
@@ -267,3 +269,32 @@ def test_training_config_overrides_include_the_model():
 
     cfg = load_config("configs/train/loop-smoke.toml", model="/models/other", out_dir="/tmp/run", steps=None)
     assert cfg.model == "/models/other" and cfg.out_dir == "/tmp/run" and cfg.steps == 8
+
+
+def test_a_label_free_job_waits_for_its_domains_captured_prompts_then_goes_on_with_them(tmp_path):
+    """A drift alert fires on the first shifted answers: the job waits (its log says for what) while the traffic it
+    is about is still being captured, and takes what arrived; without time left it takes what is there at once."""
+    from training.retrain import Heartbeat, Worker
+
+    db = Database(tmp_path / "g.sqlite3")
+    capture, queue = Capture(db), JobQueue(db)
+    on = CaptureSettings(enabled=True)
+    capture.add("science", on, [("multiple_choice", "Q0?", ["a", "b"], None)])
+    worker = Worker(LoopConfig(min_prompts=3, capture_wait_s=600, runs_dir=str(tmp_path / "jobs")), db,
+                    tmp_path / "registry", name="w", poll_s=0.02)
+    queue.enqueue("science", "alert")
+    job = queue.claim("w")
+    beat = Heartbeat(queue, job, "w", tmp_path / "run", steps=1)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(worker._await_prompts, job, capture.prompts("science"), beat)
+        wait_until("the job to say it waits", lambda: any(
+            "waiting for captured prompts: 1 multiple-choice and 0 free-form, 3 of one kind needed" in line
+            for line in queue.get(job.id).log), 30, 0.02)
+        assert not waiting.done()
+        capture.add("science", on, [("multiple_choice", f"Q{i}?", ["a", "b"], None) for i in (1, 2)])
+        prompts = waiting.result(timeout=30)
+    assert [p.question for p in prompts] == ["Q0?", "Q1?", "Q2?"]
+
+    impatient = Worker(LoopConfig(min_prompts=5, capture_wait_s=0, runs_dir=str(tmp_path / "jobs")), db,
+                       tmp_path / "registry", name="w", poll_s=0.02)
+    assert len(impatient._await_prompts(job, prompts, beat)) == 3  # then `_modes` fails it, saying how many

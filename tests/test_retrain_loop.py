@@ -55,10 +55,12 @@ def loop(tmp_path_factory, embedded_model_dir, shared_data):
     # ECE before and after (never trained on).
     test_file = tmp / "science-labelled.jsonl"
     test_file.write_text("".join(json.dumps(q) + "\n" for q in two_way(shared_data, 400, 500, seed=1)))
+    # min_prompts: all 120 shifted questions. The alert fires on the first ones; the job waits for the rest
+    # (capture_wait_s), so what it trains on does not depend on when the alert came.
     (tmp / "loop.toml").write_text(f"""
 train_config = "configs/train/loop-smoke.toml"
 runs_dir = "{tmp / 'jobs'}"
-min_prompts = 40
+min_prompts = 120
 accuracy_tolerance = 0.05
 auto_promote_label_free = true
 [[test_sets.science]]

@@ -61,11 +61,13 @@ def free_form_loop(tmp_path_factory, embedded_model_dir, shared_data):
                                         questions[N_TRAFFIC + N_LABELS:-N_HELD_OUT], questions[-N_HELD_OUT:])
     test_file = tmp / "tests.jsonl"
     test_file.write_text("".join(json.dumps(open_row(q)) + "\n" for q in tests))
+    # min_prompts: the traffic's distinct questions. The alert fires on its first answers; the job waits for the rest
+    # (capture_wait_s), so what it trains on does not depend on when the alert came.
     (tmp / "loop.toml").write_text(f"""
 train_config = "configs/train/loop-smoke.toml"
 free_form_train_config = "configs/train/loop-open-smoke.toml"
 runs_dir = "{tmp / 'jobs'}"
-min_prompts = 40
+min_prompts = {len({q.question for q in traffic})}
 min_feedback_labels = 50
 accuracy_tolerance = 0.01
 [[test_sets.{DOMAIN}]]
@@ -105,6 +107,9 @@ def held_out_metrics(choices: list[dict], questions: list[OpenQuestion]) -> dict
             "ece_10": binned_calibration_error(conf, correct, 10), "auroc": auroc(conf, correct)}
 
 
+# The longest test (~8 min on a quiet 2-core machine, beyond the suite's 15-minute hang limit on a loaded one): the limit
+# only turns a hang into a failure.
+@pytest.mark.timeout(1800)
 def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_on_uploaded_labels(free_form_loop):
     gateway, prometheus = free_form_loop["gateway"], free_form_loop["prometheus"]
     parent = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
@@ -125,9 +130,9 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
         (j for j in jobs(gateway, domain=DOMAIN) if j["status"] not in ("queued", "running")), None), 900, 2)
     assert done["status"] == "promoted", json.dumps(done, indent=1)
     result = done["result"]
-    assert result["modes"] == ["free_form"] and result["captured_prompts"] >= 40
-    # The reference: the traffic captured by the time of judging (the job starts on a half-full window).
-    assert result["captured_prompts"] <= result["reference_prompts"] <= N_TRAFFIC
+    # Trained on the whole traffic (the job waited for it) and judged against it as its reference.
+    distinct = len({q.question for q in free_form_loop["traffic"]})
+    assert result["modes"] == ["free_form"] and result["captured_prompts"] == result["reference_prompts"] == distinct
     assert result["inputs"]["feedback_labels"] == N_LABELS  # judged on the uploaded labels
     candidate = done["candidate"]
     wait_until("the gateway to serve the candidate", lambda: http.get(f"{gateway}/health").json()[

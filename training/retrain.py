@@ -126,7 +126,7 @@ class Heartbeat:
 class Worker:
     def __init__(self, cfg: LoopConfig, db: Database, registry_root: Path, name: str | None = None,
                  lease_s: float = 60.0, model: str | None = None, launcher: str | None = None,
-                 engines: EngineFactory | None = None, registry_url: str | None = None):
+                 engines: EngineFactory | None = None, registry_url: str | None = None, poll_s: float = 2.0):
         # engines: how free-form modes are scored as served (vLLM in process from `calm worker`)
         self.cfg, self.model, self.launcher, self.engines = cfg, model, launcher, engines
         self.queue = JobQueue(db, lease_s=lease_s)
@@ -134,8 +134,9 @@ class Worker:
         self.capture = Capture(db)
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.heartbeat_s = max(min(lease_s / 4, 5.0), 0.2)
+        self.poll_s = poll_s  # how often an idle worker looks for a job, and a waiting job for captured prompts
 
-    def run(self, once: bool = False, poll_s: float = 2.0) -> int:
+    def run(self, once: bool = False) -> int:
         """Claim and run jobs until stopped (or, with `once`, until none is waiting); returns the jobs run."""
         done = 0
         while True:
@@ -143,7 +144,7 @@ class Worker:
             if job is None:
                 if once:
                     return done
-                time.sleep(poll_s)
+                time.sleep(self.poll_s)
                 continue
             self.run_job(job)
             done += 1
@@ -176,6 +177,7 @@ class Worker:
                             self.cfg.min_recalibration_labels, domain)
         if method == "labelled":
             return self._recalibrate(job, job_dir, parent, labels, prompts, beat)
+        prompts = self._await_prompts(job, prompts, beat)
         modes = self._modes(domain, prompts)
         parent_artifact = load_artifact(self.registry.path_of(parent)) if parent else None
         parent_ff = (parent_artifact.path / FREE_FORM_DIR if parent_artifact is not None
@@ -204,6 +206,21 @@ class Worker:
                                    metrics=result)
         self.queue.set_candidate(job.id, record.version)
         return self._decide(job, record.version, result, beat)
+
+    def _await_prompts(self, job: Job, prompts: list[CapturedPrompt], beat: Heartbeat) -> list[CapturedPrompt]:
+        """The domain's captured prompts once one kind has `min_prompts` of them, or as they are when the job has waited
+        `capture_wait_s` since it was queued (then `_modes` fails it, saying how many there are)."""
+        deadline = job.created_at + self.cfg.capture_wait_s
+        counts, noted = traffic_counts(prompts, job.domain), None
+        while max(counts.values()) < self.cfg.min_prompts and time.time() < deadline:
+            if counts != noted:
+                beat.note(f"waiting for captured prompts: {counts[MULTIPLE_CHOICE]} multiple-choice and "
+                          f"{counts[FREE_FORM]} free-form, {self.cfg.min_prompts} of one kind needed")
+                noted = counts
+            time.sleep(min(self.poll_s, max(deadline - time.time(), 0)))
+            prompts = self.capture.prompts(job.domain)
+            counts = traffic_counts(prompts, job.domain)
+        return prompts
 
     def _modes(self, domain: str, prompts: list[CapturedPrompt]) -> list[str]:
         """The modes the domain's captured traffic can retrain: each with at least `min_prompts` distinct prompts."""

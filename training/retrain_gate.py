@@ -24,7 +24,10 @@ class LoopConfig(BaseModel):
     # serving version's free-form mode).
     free_form_train_config: str = "configs/train/loop-open.toml"
     runs_dir: str = "runs/jobs"
-    min_prompts: int = Field(30, ge=1)  # fewer captured prompts of either kind: the job fails, saying so
+    min_prompts: int = Field(30, ge=1)  # fewer captured prompts of either kind: the job waits, then fails saying so
+    # How long after it was queued a label-free job waits for its domain's captured prompts to reach `min_prompts`:
+    # a drift alert fires on the first shifted answers, while the traffic it is about is still arriving.
+    capture_wait_s: float = Field(600.0, ge=0)
     max_prompts: int = Field(2000, ge=1)  # the newest ones are used
     accuracy_tolerance: float = 0.02  # candidate accuracy >= active's - this, on the domain's labelled test questions
     ece_tolerance: float = 0.0  # candidate ECE <= active's + this, on the domain's uploaded labels (when enough)
