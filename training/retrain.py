@@ -211,12 +211,12 @@ class Worker:
         """The domain's captured prompts once one kind has `min_prompts` of them, or as they are when the job has waited
         `capture_wait_s` since it was queued (then `_modes` fails it, saying how many there are)."""
         deadline = job.created_at + self.cfg.capture_wait_s
-        counts, noted = traffic_counts(prompts, job.domain), None
+        counts, noted = traffic_counts(prompts, job.domain), float("-inf")
         while max(counts.values()) < self.cfg.min_prompts and time.time() < deadline:
-            if counts != noted:
+            if time.monotonic() - noted >= 30:  # a line now and then, not one per prompt (the log keeps 50)
                 beat.note(f"waiting for captured prompts: {counts[MULTIPLE_CHOICE]} multiple-choice and "
                           f"{counts[FREE_FORM]} free-form, {self.cfg.min_prompts} of one kind needed")
-                noted = counts
+                noted = time.monotonic()
             time.sleep(min(self.poll_s, max(deadline - time.time(), 0)))
             prompts = self.capture.prompts(job.domain)
             counts = traffic_counts(prompts, job.domain)
