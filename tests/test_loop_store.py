@@ -244,6 +244,11 @@ def test_gate(inputs, outcome, reason):
     assert decision.outcome == outcome and any(reason in r for r in decision.reasons), decision
 
 
+def test_a_loop_config_whose_jobs_could_never_have_enough_prompts_is_refused():
+    with pytest.raises(ValueError, match=r"max_prompts \(40\) is below min_prompts \(120\)"):
+        LoopConfig(min_prompts=120, max_prompts=40)
+
+
 def test_gate_promotes_label_free_candidates_only_when_configured():
     cfg = LoopConfig(auto_promote_label_free=True)
     assert gate(cfg, GateInputs(0.6, 0.6)).outcome == "promote"

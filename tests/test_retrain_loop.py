@@ -75,6 +75,7 @@ path = "{test_file}"
     # must fail whatever it scores (all 220 and 100 cost ~60 s).
     (tmp / "strict.toml").write_text((tmp / "loop.toml").read_text().replace("accuracy_tolerance = 0.05",
                                      "accuracy_tolerance = -1.0\nmax_prompts = 40").replace(
+                                     "min_prompts = 120", "min_prompts = 40").replace(
                                      "configs/train/loop-smoke.toml", str(strict_train)).replace(
                                      f'path = "{test_file}"', f'path = "{test_file}"\nlimit = 20'))
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from calm_core.splits import SourceSpec
 from calm_core.toml_config import load_toml_model
@@ -44,6 +44,12 @@ class LoopConfig(BaseModel):
     # Per domain: labelled in-domain test questions (multiple choice for the multiple-choice mode, open-ended for the
     # free-form mode). A domain without them for a mode uses that mode's training split's in-domain tests.
     test_sets: dict[str, list[SourceSpec]] = {}
+
+    @model_validator(mode="after")
+    def _prompt_bounds(self) -> "LoopConfig":
+        if self.max_prompts < self.min_prompts:  # no job could ever have enough
+            raise ValueError(f"max_prompts ({self.max_prompts}) is below min_prompts ({self.min_prompts})")
+        return self
 
     def free_form(self, domain: str) -> FreeFormSettings:
         return FreeFormSettings(self.free_form_train_config, self.min_prompts, self.max_prompts,
