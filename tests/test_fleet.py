@@ -213,8 +213,8 @@ def load(fleet: Fleet, base: str, stop: threading.Event, results: list, feedback
 
 
 def under_load(fleet: Fleet, clients: int, kill: str, base: str | None = None) -> tuple[list, list, float, float]:
-    """Run `clients` clients through HAProxy, kill `kill` once each has had an answer, and stop once 8 requests that
-    started after the kill have finished; (results, acknowledged feedback, kill time, time the process was gone)."""
+    """Run `clients` clients through HAProxy, kill `kill` once each has had an answer, and stop once `clients` requests
+    that started after the kill have finished; (results, acknowledged feedback, kill time, time the process was gone)."""
     results, feedback, stop = [], [], threading.Event()
     threads = [threading.Thread(target=load, args=(fleet, base or fleet.lb, stop, results, feedback))
                for _ in range(clients)]
@@ -225,8 +225,8 @@ def under_load(fleet: Fleet, clients: int, kill: str, base: str | None = None) -
     killed_at = time.monotonic()
     fleet.kill(kill)
     gone_at = time.monotonic()
-    wait_until("8 requests started after the kill", lambda: sum(r[0] > gone_at for r in results) >= 8, timeout=600,
-               every=0.05)
+    wait_until(f"{clients} requests started after the kill", lambda: sum(r[0] > gone_at for r in results) >= clients,
+               timeout=600, every=0.05)
     stop.set()
     for t in threads:
         t.join(timeout=300)
@@ -257,15 +257,15 @@ def test_a_gateway_replica_killed_under_load(fleet, postgres_url):
         missing = [rid for rid in acknowledged if store._feedback_of(rid) is None]
     finally:
         store.close()
-    assert len(acknowledged) >= 8 and not missing, missing
+    assert len(acknowledged) >= 4 and not missing, missing
 
 
 def test_an_engine_killed_under_load_then_restarted(fleet, versions, shipped_artifact, shipped_model):
-    """(c) One engine SIGKILLed under 8 concurrent clients: no request hangs, failures are 503s (requests in flight on
+    """(c) One engine SIGKILLed under 4 concurrent clients: no request hangs, failures are 503s (requests in flight on
     it), requests started after the kill are served by the other; restarted, it has loaded the active version before
     its /health passes (adapters/vllm_warm.py: no request reaches it before), then serves it with the numbers HF
     gives, alone."""
-    results, _, killed_at, gone_at = under_load(fleet, 8, "engine0", fleet.gateway_url(1))
+    results, _, killed_at, gone_at = under_load(fleet, 4, "engine0", fleet.gateway_url(1))
     assert all(c in (200, 503) for *_, c in results), results
     after = [c for s, _, c in results if s > gone_at]
     assert all(c == 200 for c in after), (f"killed at {killed_at - fleet.t0:.2f} s, gone at {gone_at - fleet.t0:.2f} s",
