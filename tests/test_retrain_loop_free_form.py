@@ -167,7 +167,10 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     assert measured["candidate"]["ece_10"] < measured["parent"]["ece_10"], measured
     assert measured["candidate"]["accuracy"] >= measured["parent"]["accuracy"] - 0.01, measured
     assert psi_after < 0.25, (psi_shifted, psi_after)
-    assert [j["id"] for j in jobs(gateway, domain=DOMAIN)] == [done["id"]]  # the alert's repeats started no other job
+    # Alertmanager's repeats of the alert started no other job. (A new episode may: once the promoted version's window
+    # holds 50 answers the rule is evaluated again, and PSI on a half-full window is noisy; see the README's drift notes.)
+    episode = [j["id"] for j in jobs(gateway, domain=DOMAIN) if j["detail"].get("starts_at") == done["detail"]["starts_at"]]
+    assert episode == [done["id"]]
 
 
 def record_free_form_run(measured: dict) -> None:
