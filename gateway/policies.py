@@ -42,8 +42,9 @@ class Action(str, Enum):
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
 # Printable ASCII, spelled out (URLs and paths of this host; every regex engine and fuzzer reads the ranges alike, not
-# so `\s`): a host of anything but / ? #, then anything.
-_HTTP_URL = r"^https?://[\x21\x22\x24-\x2e\x30-\x3e\x40-\x7e]+[\x21-\x7e]*$"
+# so `\s`): a host of anything but / ? # [ ] (no IPv6 literals: a bracket that is not one makes urlsplit raise, in
+# clients that parse the URL echoed back), then nothing or / ? # and anything.
+_HTTP_URL = r"^https?://[\x21\x22\x24-\x2e\x30-\x3e\x40-\x5a\x5c\x5e-\x7e]+([/?#][\x21-\x7e]*)?$"
 _ABSOLUTE_PATH = r"^/[\x21-\x7e]+$"
 
 
