@@ -19,8 +19,9 @@ StrictInt = Annotated[_StrictInt, BeforeValidator(_integral)]
 # strips U+001C-U+001F, which a schema-valid text may consist of; and the fuzzers' generators read `\s` their own way,
 # so the schema spells the class out.
 WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680" + "".join(chr(c) for c in range(0x2000, 0x200B)) + "\u2028\u2029\u202f\u205f\u3000"
-# A string with some character that is not white space (the schema form of `not blank(text)`).
-NONBLANK = r"[^\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+# A string with some character that is not white space (the schema form of `not blank(text)`), each excluded character
+# as a \uXXXX escape, which every engine and generator reads alike.
+NONBLANK = "[^" + "".join(f"\\u{ord(c):04x}" for c in WHITE_SPACE) + "]"
 
 
 def blank(text: str) -> bool:
