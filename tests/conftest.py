@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from scripts.readme_numbers import per_file
+from tests.memory_budget import MemoryBudget, PeakMemory, machine_capacity_gb
 
 # torch with 2 threads on a busy 2-core machine slows by 10-100x (oversubscription); tests stay single-threaded.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -131,17 +132,64 @@ def database(request, tmp_path):
     yield url
 
 
-# -- order: the slowest files first -----------------------------------------------------------------------------------
+# -- memory: modules whose stacks take a large part of the machine do not run together (tests/memory_budget.py) -------
+def _run_dir(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run shares (a worker's base temp is a subfolder of the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_budget(request, tmp_path_factory):
+    """Autouse, so it runs before the module's own module-scoped fixtures start their servers. Every module's peak
+    memory (its servers and engines included) is recorded for the run's summary; a module marked `memory_gb` first
+    waits until its mark fits beside the other workers' marked modules."""
+    import json
+    import sys
+
+    run = _run_dir(tmp_path_factory)
+    marker = request.node.get_closest_marker("memory_gb")
+    gb = float(marker.args[0]) if marker else None
+    budget = MemoryBudget(run / "memory-budget.json", machine_capacity_gb())
+    holder, waited = f"{os.getpid()}:{request.node.nodeid}", 0.0
+    if gb is not None:
+        report = lambda held: print(  # noqa: E731
+            f"{request.node.nodeid} ({gb} GB) waits for memory: {sorted(held)} hold "
+            f"{sum(c['gb'] for c in held.values()):.1f} of {budget.capacity_gb:.1f} GB", file=sys.stderr)
+        waited = budget.acquire(holder, gb, on_wait=report)
+    try:
+        with PeakMemory() as peak:
+            yield
+    finally:
+        if gb is not None:
+            budget.release(holder)
+        with open(run / "memory-peaks.jsonl", "a") as f:
+            f.write(json.dumps({"module": request.node.nodeid, "marked_gb": gb, "peak_gb": round(peak.peak_gb, 2),
+                                "waited_s": round(waited, 1)}) + "\n")
+
+
+# -- order: the slowest files first, files that need much memory apart ----------------------------------------------
 def pytest_collection_modifyitems(config, items):
     """Files in the order of their seconds in the published run (benchmarks/results/test-times.md), slowest first,
-    tests within a file as written. With two pytest-xdist workers (scripts/test.sh) the longest files then start at
-    once instead of one of them starting last while the other worker idles; every worker sorts alike."""
+    tests within a file as written. With two pytest-xdist workers (scripts/test.sh) the longest file then starts at once
+    instead of last while the other worker idles; every worker sorts alike.
+
+    Files marked `memory_gb` are kept apart: the slowest of them first, the others after every unmarked file. The
+    first (the free-form loop) fits beside no other marked file (tests/memory_budget.py would make a worker wait for
+    it); at the end the others run in pairs that fit."""
     published = REPO / "benchmarks" / "results" / "test-times.md"
-    if not published.is_file():
-        return
-    _, seconds = per_file(published)
-    # A file the published run does not list is unmeasured: it starts first, so a slow new one never starts last.
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
+    _, seconds = per_file(published) if published.is_file() else (0.0, {})
+    file_of = lambda item: item.nodeid.split("::")[0]  # noqa: E731
+    # A file the published run does not list is unmeasured: it starts early, so a slow new one never starts last.
+    secs = lambda item: seconds.get(file_of(item), float("inf"))  # noqa: E731
+    marked = {file_of(item): secs(item) for item in items if item.get_closest_marker("memory_gb")}
+    first = max(marked, key=marked.get, default=None)
+
+    def key(item):
+        group = 0 if file_of(item) == first else (2 if file_of(item) in marked else 1)
+        return group, -secs(item)
+
+    items.sort(key=key)
 
 
 # -- where the time goes: per file and per test, printed at the end of every run ---------------------------------------
@@ -170,10 +218,25 @@ def _times_table(top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _memory_table(peaks_file: Path, top: int = 15) -> str:
+    """The files that took the most memory at their peak (PSS of the worker and everything it started), their marks and
+    how long they waited for memory."""
+    import json
+
+    if not peaks_file.is_file():
+        return ""
+    rows = sorted(map(json.loads, peaks_file.read_text().splitlines()), key=lambda r: -r["peak_gb"])[:top]
+    lines = ["| file | peak (GB, PSS) | marked (GB) | waited (s) |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['module']} | {r['peak_gb']:.1f} | {r['marked_gb'] or ''} | {r['waited_s'] or ''} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _SECONDS:
         return
-    table = _times_table()
+    memory = _memory_table(_run_dir(config._tmp_path_factory) / "memory-peaks.jsonl")
+    table = _times_table() + (f"\nMemory per file (the peak PSS of the worker and everything it started; "
+                              f"tests/memory_budget.py):\n\n{memory}" if memory else "")
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
     out = os.environ.get("CALM_TEST_TIMES_OUT")  # scripts/test.sh sets it (.calm/test-times.md by default)

@@ -1,0 +1,132 @@
+"""A memory budget shared by pytest-xdist's workers, for test modules whose stacks take a large part of the machine.
+
+Two workers run two files at a time. A few files start whole stacks: the free-form loop's gateway holds four vLLM
+engines at its end while its worker has had two more; the default gateway's file runs `calm eval` offline (one more
+engine) beside a gateway with three. Each engine of the embedded model is ~1.9 GB (imports 0.46, fp32 weights 0.54, KV
+cache, the rest), so two such files together exhausted a 24 GiB CI machine: an engine died allocating and a request
+stalled past 300 s. A module marked `memory_gb(N)` (its peak as measured: every run prints each file's peak, `PeakMemory`)
+starts only when N fits beside what the marked modules running on other workers declared; otherwise it waits until one
+of them ends. tests/conftest.py orders the files so that this rarely happens: the largest marked file first, beside
+unmarked ones, the other marked files last.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# Left for the operating system and pytest's controller. With two workers an unmarked module runs beside at most one
+# marked module (a gateway on the shipped artifact, the largest unmarked stack, takes ~6.5 GB: the free-form loop's 11.5
+# and it fit), so the marks alone decide which marked modules may run together.
+RESERVE_GB = 2.5
+
+
+def machine_capacity_gb(reserve_gb: float = RESERVE_GB) -> float:
+    """What the marked modules may declare together: the machine's memory less the reserve (CALM_TEST_MEMORY_GB
+    overrides, e.g. for a machine shared with something else)."""
+    if os.environ.get("CALM_TEST_MEMORY_GB"):
+        return float(os.environ["CALM_TEST_MEMORY_GB"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return total - reserve_gb
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    ledger: Path  # JSON {holder: {"pid", "gb"}}, beside a lock file; one per test run
+    capacity_gb: float
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        with open(self.ledger.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                held = json.loads(self.ledger.read_text()) if self.ledger.is_file() else {}
+                # A worker that died (killed by pytest-timeout, a crash) leaves no claim behind.
+                held = {h: c for h, c in held.items() if _alive(c["pid"])}
+                yield held
+                self.ledger.write_text(json.dumps(held))
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def try_acquire(self, holder: str, gb: float) -> dict | None:
+        """Claim `gb` if it fits beside the other claims (or if there are none: a module larger than the whole budget
+        still runs, alone). Returns None on success, else the claims in the way."""
+        with self._locked() as held:
+            others = {h: c for h, c in held.items() if h != holder}
+            if others and sum(c["gb"] for c in others.values()) + gb > self.capacity_gb:
+                return others
+            held[holder] = {"pid": os.getpid(), "gb": gb}
+            return None
+
+    def acquire(self, holder: str, gb: float, on_wait: Callable[[dict], None] = lambda held: None,
+                poll_s: float = 1.0) -> float:
+        """Claim `gb`, waiting while it does not fit. Returns the seconds waited."""
+        started = time.monotonic()
+        in_the_way = self.try_acquire(holder, gb)
+        if in_the_way is not None:
+            on_wait(in_the_way)
+        while in_the_way is not None:
+            time.sleep(poll_s)  # the ledger changes when another worker's module ends; nothing else to wait on
+            in_the_way = self.try_acquire(holder, gb)
+        return time.monotonic() - started
+
+    def release(self, holder: str) -> None:
+        with self._locked() as held:
+            held.pop(holder, None)
+
+
+def tree_pss_gb(pid: int | None = None) -> float:
+    """Proportional set size of a process and its descendants (shared pages split among their users, so the sum over
+    processes is what they take together)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            total += proc.memory_full_info().pss
+        except psutil.Error:  # ended meanwhile
+            pass
+    return total / 2**30
+
+
+class PeakMemory:
+    """The peak of `tree_pss_gb()` for this process while the block runs, sampled in a thread (what a module's servers
+    and their engines took at most: the numbers the `memory_gb` marks come from)."""
+
+    def __init__(self, every_s: float = 2.0):
+        self.every_s, self.peak_gb = every_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-memory")
+
+    def _sample(self) -> None:
+        while True:
+            self.peak_gb = max(self.peak_gb, tree_pss_gb())
+            if self._stop.wait(self.every_s):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_gb = max(self.peak_gb, tree_pss_gb())

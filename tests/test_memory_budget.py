@@ -1,0 +1,60 @@
+"""The test suite's memory budget (tests/memory_budget.py): claims fit, wait, and never outlive their process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+from tests.memory_budget import MemoryBudget, machine_capacity_gb
+
+
+def test_claims_that_fit_run_together_and_one_that_does_not_is_refused_until_a_release(tmp_path):
+    budget = MemoryBudget(tmp_path / "ledger.json", capacity_gb=16)
+    assert budget.try_acquire("a", 9) is None
+    assert budget.try_acquire("b", 6) is None  # 15 of 16
+    in_the_way = budget.try_acquire("c", 2)
+    assert sorted(in_the_way) == ["a", "b"] and sum(c["gb"] for c in in_the_way.values()) == 15
+    budget.release("a")
+    assert budget.try_acquire("c", 2) is None
+    assert sorted(json.loads((tmp_path / "ledger.json").read_text())) == ["b", "c"]
+
+
+def test_a_module_larger_than_the_budget_runs_alone(tmp_path):
+    budget = MemoryBudget(tmp_path / "ledger.json", capacity_gb=10)
+    assert budget.try_acquire("huge", 30) is None
+    assert budget.try_acquire("small", 1) is not None
+    budget.release("huge")
+    assert budget.try_acquire("small", 1) is None
+    assert budget.try_acquire("huge", 30) is not None
+
+
+def test_the_claim_of_a_process_that_died_is_dropped(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "ledger.json").write_text(json.dumps({"killed": {"pid": int(gone.stdout), "gb": 15}}))
+    budget = MemoryBudget(tmp_path / "ledger.json", capacity_gb=16)
+    assert budget.try_acquire("next", 12) is None
+    assert sorted(json.loads((tmp_path / "ledger.json").read_text())) == ["next"]
+
+
+def test_acquire_waits_for_the_release_it_needs(tmp_path):
+    budget = MemoryBudget(tmp_path / "ledger.json", capacity_gb=16)
+    budget.try_acquire("running", 12)
+    waiting, waited = threading.Event(), []
+    t = threading.Thread(target=lambda: waited.append(budget.acquire("next", 8, on_wait=lambda held: waiting.set(),
+                                                                     poll_s=0.01)))
+    t.start()
+    assert waiting.wait(30)
+    assert not waited and "next" not in json.loads((tmp_path / "ledger.json").read_text())
+    budget.release("running")
+    t.join(30)
+    assert waited and waited[0] > 0 and sorted(json.loads((tmp_path / "ledger.json").read_text())) == ["next"]
+
+
+def test_capacity_is_the_machine_less_the_reserve_unless_set(monkeypatch):
+    monkeypatch.setenv("CALM_TEST_MEMORY_GB", "12.5")
+    assert machine_capacity_gb() == 12.5
+    monkeypatch.delenv("CALM_TEST_MEMORY_GB")
+    total = machine_capacity_gb(reserve_gb=0)
+    assert machine_capacity_gb(reserve_gb=7) == total - 7 and total > 1
