@@ -3,8 +3,8 @@
 Two workers run two files at a time. A few files start whole stacks: the free-form loop's gateway holds four vLLM
 engines at its end while its worker has had two more; the default gateway's file runs `calm eval` offline (one more
 engine) beside a gateway with three. Each engine of the embedded model is ~1.9 GB (imports 0.46, fp32 weights 0.54, KV
-cache, the rest), so two such files together exhausted a 24 GiB CI machine: an engine died allocating and a request
-stalled past 300 s. A module marked `memory_gb(N)` (its peak as measured: every run prints each file's peak, `PeakMemory`)
+cache, the rest), so two such files together need most of a 24 GiB machine: in CI's run of 42181d1 they failed at one
+moment (an engine died, a request stalled past 300 s). A module marked `memory_gb(N)` (its peak as measured: every run prints each file's peak, `PeakMemory`)
 starts only when N fits beside what the marked modules running on other workers declared; otherwise it waits until one
 of them ends. tests/conftest.py orders the files so that this rarely happens: the largest marked file first, beside
 unmarked ones, the other marked files last.
