@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Left for the operating system and pytest's controller. With two workers an unmarked module runs beside at most one
-# marked module (the largest unmarked file, the fuzz suite, peaked at 7.8 GB: beside the free-form loop's 11.5
+# marked module (the largest unmarked file, the fuzz suite, peaked at 7.8 GB: beside the free-form loop's 12
 # and it fit), so the marks alone decide which marked modules may run together.
 RESERVE_GB = 2.5
 

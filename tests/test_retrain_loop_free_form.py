@@ -33,8 +33,8 @@ from tests.loop_stack import ADMIN, drift_alerts, http, jobs, loop_stack, psi
 from tests.recorded import record_runs, write_markdown
 from tests.servers import free_port, wait_until
 
-# memory_gb: the peak PSS of the gateway (four engines at its end) and the worker: 11.2 GB measured (tests/memory_budget.py).
-pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(11.5)]
+# memory_gb: the peak PSS of the gateway (four engines at its end) and the worker: 11.2-11.6 GB measured (tests/memory_budget.py).
+pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(12.0)]
 MODEL = "calm-smollm2-135m"
 DOMAIN = "trivia"
 N_TRAFFIC, N_LABELS, N_TESTS, N_HELD_OUT = 110, 60, 40, 100
