@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,8 +97,6 @@ def postgres_url():
 def s3_store(tmp_path_factory):
     """A real S3 API on this machine (moto's server) with one bucket "calm-registry": (filesystem, the AWS variables
     every S3 client here reads, also set in this process while the module runs; give them to subprocesses)."""
-    import sys
-
     from tests.servers import free_port, running
 
     pytest.importorskip("s3fs")
@@ -144,15 +144,13 @@ def memory_budget(request, tmp_path_factory):
     """Autouse, so it runs before the module's own module-scoped fixtures start their servers. Every module's peak
     memory (its servers and engines included) is recorded for the run's summary; a module marked `memory_gb` first
     waits until its mark fits beside the other workers' marked modules."""
-    import json
-    import sys
-
     run = _run_dir(tmp_path_factory)
     marker = request.node.get_closest_marker("memory_gb")
     gb = float(marker.args[0]) if marker else None
-    budget = MemoryBudget(run / "memory-budget.json", machine_capacity_gb())
-    holder, waited = f"{os.getpid()}:{request.node.nodeid}", 0.0
+    waited = 0.0
     if gb is not None:
+        budget = MemoryBudget(run / "memory-budget.json", machine_capacity_gb())
+        holder = f"{os.getpid()}:{request.node.nodeid}"
         report = lambda held: print(  # noqa: E731
             f"{request.node.nodeid} ({gb} GB) waits for memory: {sorted(held)} hold "
             f"{sum(c['gb'] for c in held.values()):.1f} of {budget.capacity_gb:.1f} GB", file=sys.stderr)
@@ -174,9 +172,9 @@ def pytest_collection_modifyitems(config, items):
     tests within a file as written. With two pytest-xdist workers (scripts/test.sh) the longest file then starts at once
     instead of last while the other worker idles; every worker sorts alike.
 
-    Files marked `memory_gb` are kept apart: the slowest of them first, the others after every unmarked file. The
-    first (the free-form loop) fits beside no other marked file (tests/memory_budget.py would make a worker wait for
-    it); at the end the others run in pairs that fit."""
+    Files marked `memory_gb` are kept apart: the slowest of them first, beside unmarked files, the others after every
+    unmarked file, so marked files meet only at the end, where tests/memory_budget.py lets the pairs that fit run
+    together and makes the others wait."""
     published = REPO / "benchmarks" / "results" / "test-times.md"
     _, seconds = per_file(published) if published.is_file() else (0.0, {})
     file_of = lambda item: item.nodeid.split("::")[0]  # noqa: E731
@@ -221,8 +219,6 @@ def _times_table(top: int = 30) -> str:
 def _memory_table(peaks_file: Path, top: int = 15) -> str:
     """The files that took the most memory at their peak (PSS of the worker and everything it started), their marks and
     how long they waited for memory."""
-    import json
-
     if not peaks_file.is_file():
         return ""
     rows = sorted(map(json.loads, peaks_file.read_text().splitlines()), key=lambda r: -r["peak_gb"])[:top]

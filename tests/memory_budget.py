@@ -4,9 +4,9 @@ Two workers run two files at a time. A few files start whole stacks: the free-fo
 engines at its end while its worker has had two more; the default gateway's file runs `calm eval` offline (one more
 engine) beside a gateway with three. Each engine of the embedded model is ~1.9 GB (imports 0.46, fp32 weights 0.54, KV
 cache, the rest), so two such files together need most of a 24 GiB machine: in CI's run of 42181d1 they failed at one
-moment (an engine died, a request stalled past 300 s). A module marked `memory_gb(N)` (its peak as measured: every run prints each file's peak, `PeakMemory`)
-starts only when N fits beside what the marked modules running on other workers declared; otherwise it waits until one
-of them ends. tests/conftest.py orders the files so that this rarely happens: the largest marked file first, beside
+moment (an engine died, a request stalled past 300 s). A module marked `memory_gb(N)` (its peak as measured: every run
+prints each file's peak, `PeakMemory`) starts only when N fits beside what the marked modules running on other workers
+declared; otherwise it waits until one of them ends. tests/conftest.py orders the files so that this rarely happens: the largest marked file first, beside
 unmarked ones, the other marked files last.
 """
 
@@ -22,9 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 # Left for the operating system and pytest's controller. With two workers an unmarked module runs beside at most one
-# marked module (the largest unmarked file, the fuzz suite, peaked at 7.8 GB: beside the free-form loop's 12
-# and it fit), so the marks alone decide which marked modules may run together.
+# marked module (the largest unmarked files, the load and fuzz suites, peaked at 8.0 GB: beside the free-form loop's
+# 12 they fit), so the marks alone decide which marked modules may run together.
 RESERVE_GB = 2.5
 
 
@@ -35,16 +37,6 @@ def machine_capacity_gb(reserve_gb: float = RESERVE_GB) -> float:
         return float(os.environ["CALM_TEST_MEMORY_GB"])
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return total - reserve_gb
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -59,7 +51,7 @@ class MemoryBudget:
             try:
                 held = json.loads(self.ledger.read_text()) if self.ledger.is_file() else {}
                 # A worker that died (killed by pytest-timeout, a crash) leaves no claim behind.
-                held = {h: c for h, c in held.items() if _alive(c["pid"])}
+                held = {h: c for h, c in held.items() if psutil.pid_exists(c["pid"])}
                 yield held
                 self.ledger.write_text(json.dumps(held))
             finally:
@@ -95,8 +87,6 @@ class MemoryBudget:
 def tree_pss_gb(pid: int | None = None) -> float:
     """Proportional set size of a process and its descendants (shared pages split among their users, so the sum over
     processes is what they take together)."""
-    import psutil
-
     root = psutil.Process(pid)
     total = 0
     for proc in [root, *root.children(recursive=True)]:
