@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from adapters.engine_settings import EngineOverrides, resolve
 from adapters.merged_weights import merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
 from calm_core.artifact import load_artifact, read_manifest
@@ -285,11 +286,15 @@ class InProcessVLLMEngine:
 @asynccontextmanager
 async def artifact_engine(base_model: str, artifact_dir: str) -> AsyncIterator[InProcessVLLMEngine]:
     """An `EngineFactory` for offline evaluation: vLLM in process on the artifact's weights (its adapter merged into a
-    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it."""
+    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it. Its KV
+    cache is the gateway's setting, CALM_KV_CACHE_MB, where set (a worker judging versions beside a gateway on one
+    machine holds one more engine)."""
+    kv_mb = os.environ.get("CALM_KV_CACHE_MB")
+    settings = resolve(EngineOverrides(device="cpu", kv_cache_mb=int(kv_mb) if kv_mb else None))
     with tempfile.TemporaryDirectory() as tmp:
         weights = merged_model_dir(base_model, load_artifact(artifact_dir), Path(tmp))
         engine = InProcessVLLMEngine(EngineConfig(model_path=str(weights), artifact_path=str(artifact_dir),
-                                                  max_model_len=1024))
+                                                  engine=settings, max_model_len=1024))
         await engine.start()
         try:
             yield engine

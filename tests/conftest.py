@@ -17,6 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 os.environ.setdefault("CALM_HOME", str(REPO / ".calm"))
+# Every engine the tests start (gateways, `calm eval`, the worker) with a 128 MB KV cache instead of the CPU default's
+# 512: each holds 0.4 GB less (a default gateway's three engines 6.9 -> 5.7 GB, PSS), so the largest files fit side by
+# side (tests/memory_budget.py); 128 MB holds ~2,900 tokens of the embedded model, above its 2,048-token context.
+os.environ.setdefault("CALM_KV_CACHE_MB", "128")
 
 
 @pytest.fixture(scope="session")

@@ -59,6 +59,7 @@ def test_contradictions_are_refused(overrides, detected, needle):
 def test_gateway_settings_carry_the_overrides(monkeypatch):
     from gateway.settings import GatewaySettings
 
+    monkeypatch.delenv("CALM_KV_CACHE_MB", raising=False)  # the tests' own setting (conftest.py)
     monkeypatch.setenv("CALM_DEVICE", "cuda")
     monkeypatch.setenv("CALM_GPU_MEMORY_UTILIZATION", "0.6")
     monkeypatch.setenv("CALM_ADAPTER_MODE", "merged")

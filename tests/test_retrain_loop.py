@@ -82,7 +82,7 @@ path = "{test_file}"
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
     # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
-           "CALM_REGISTRY_POLL_S": "1", "CALM_KV_CACHE_MB": "128"}
+           "CALM_REGISTRY_POLL_S": "1"}
 
     with loop_stack(tmp, gw_port, tmp / "loop.toml", env) as stack:
         yield stack

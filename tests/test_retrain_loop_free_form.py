@@ -78,8 +78,7 @@ path = "{test_file}"
 open_ended = true
 """)
     # As in test_retrain_loop.py: a 100-answer drift window, registry polled every second.
-    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_REGISTRY_POLL_S": "1",
-           "CALM_KV_CACHE_MB": "128"}
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_REGISTRY_POLL_S": "1"}
     with loop_stack(tmp, free_port(), tmp / "loop.toml", env) as stack:
         yield {**stack, "traffic": traffic, "labels": labels, "held_out": held_out}
 
