@@ -80,10 +80,17 @@ class PreparedInsert:
         self.order = [compiled.binds[name].key for name in compiled.positiontup] if compiled.positiontup else None
 
     def execute(self, conn, rows: list[dict]) -> None:
+        """On the driver's cursor of `conn`'s connection, inside its transaction: SQLAlchemy's execution context per
+        statement was a fifth of a response record's CPU at the gateway's ceiling, and these statements need none of
+        it (no result, no type processing)."""
         if not rows:
             return
         params = [tuple(r[k] for k in self.order) for r in rows] if self.order else rows
-        conn.exec_driver_sql(self.sql, params)
+        cursor = conn.connection.cursor()
+        try:
+            cursor.executemany(self.sql, params)
+        finally:
+            cursor.close()
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -111,8 +118,8 @@ class _WriteTx:
         self.db._write_lock.__enter__()
         try:
             self.conn = self.db.engine.connect()
-            if self.db.sqlite:
-                self.conn.exec_driver_sql("BEGIN IMMEDIATE")
+            if self.db.sqlite:  # on the driver, as PreparedInsert: SQLite's autocommit mode leaves BEGIN to us
+                self.conn.connection.driver_connection.execute("BEGIN IMMEDIATE")
             else:
                 self.conn.begin()
         except BaseException:
@@ -123,7 +130,7 @@ class _WriteTx:
     def __exit__(self, exc_type, exc, tb):
         try:
             if self.db.sqlite:
-                self.conn.exec_driver_sql("ROLLBACK" if exc_type else "COMMIT")
+                self.conn.connection.driver_connection.execute("ROLLBACK" if exc_type else "COMMIT")
             elif exc_type:
                 self.conn.rollback()
             else:
