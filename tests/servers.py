@@ -70,9 +70,10 @@ def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0)
 
 
 @contextmanager
-def running(argv: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout: float = 240.0):
+def running(argv: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout: float = 240.0,
+            cwd: Path = REPO):
     """Start a process, wait until `health_url` answers 200, yield it, then stop it (SIGTERM, then SIGKILL)."""
-    with background(argv, log_path, env) as proc:
+    with background(argv, log_path, env, cwd) as proc:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
@@ -93,10 +94,10 @@ def calm_argv(*args: str) -> list[str]:
 
 
 @contextmanager
-def background(argv: list[str], log_path: Path, env: dict | None = None):
+def background(argv: list[str], log_path: Path, env: dict | None = None, cwd: Path = REPO):
     """Start a process, yield it, then stop it with its whole process group (SIGTERM, then SIGKILL after 30 s)."""
     log = open(log_path, "w")
-    proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=cwd, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         yield proc
