@@ -18,13 +18,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_lean import WRK_SCRIPT, chat_body, run_wrk, wrk_binary  # noqa: E402
+import psutil  # noqa: E402
+
+from benchmarks.bench_lean import WRK_SCRIPT, _listening_pid, chat_body, run_wrk, wrk_binary  # noqa: E402
 from tests.servers import free_port, running  # noqa: E402
 
 
@@ -89,20 +92,27 @@ def main() -> None:
         for url in urls.values():
             run_wrk(url, script, 3, args.connections)  # warm-up
         rps: dict[str, list[float]] = {t: [] for t in urls}
+        # Each server's CPU time over its own wrk runs, per second: whether it was busy on its core the whole time.
+        procs = {t: psutil.Process(_listening_pid(u)) for t, u in urls.items()}
+        cpu: dict[str, list[float]] = {t: [] for t in urls}
         tags = list(urls)
         for r in range(args.rounds):
             for t in tags[r % 3:] + tags[:r % 3]:
+                before, began = sum(procs[t].cpu_times()[:2]), time.monotonic()
                 rps[t].append(run_wrk(urls[t], script, args.seconds, args.connections)["rps"])
+                cpu[t].append((sum(procs[t].cpu_times()[:2]) - before) / (time.monotonic() - began))
             print(f"round {r + 1}: " + ", ".join(f"{t} {v[-1]:.0f}" for t, v in rps.items()) +
                   f"; B/A {rps['B'][-1] / rps['A'][-1]:.3f}", flush=True)
     result = {"a": args.a, "b": args.b or "working tree", "b_patch": str(args.b_patch) if args.b_patch else None,
               "rounds": args.rounds, "seconds": args.seconds, "connections": args.connections, "rps": rps,
+              "cpu_share": {t: statistics.median(v) for t, v in cpu.items()},
               "b_over_a": statistics.median(b / a for a, b in zip(rps["A"], rps["B"])),
               "a_over_passthrough": statistics.median(a / p for a, p in zip(rps["A"], rps["passthrough"])),
               "b_over_passthrough": statistics.median(b / p for b, p in zip(rps["B"], rps["passthrough"]))}
     (args.out / "ab.json").write_text(json.dumps(result, indent=2))
     print(f"B/A {result['b_over_a']:.3f} (median of rounds); A/pass-through {result['a_over_passthrough']:.3f}, "
-          f"B/pass-through {result['b_over_passthrough']:.3f}")
+          f"B/pass-through {result['b_over_passthrough']:.3f}; CPU of a core while measured: " +
+          ", ".join(f"{t} {v:.0%}" for t, v in result["cpu_share"].items()))
 
 
 if __name__ == "__main__":
