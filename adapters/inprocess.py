@@ -284,13 +284,13 @@ class InProcessVLLMEngine:
 
 
 @asynccontextmanager
-async def artifact_engine(base_model: str, artifact_dir: str) -> AsyncIterator[InProcessVLLMEngine]:
+async def artifact_engine(base_model: str, artifact_dir: str,
+                          kv_cache_mb: int | None = None) -> AsyncIterator[InProcessVLLMEngine]:
     """An `EngineFactory` for offline evaluation: vLLM in process on the artifact's weights (its adapter merged into a
-    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it. Its KV
-    cache is the gateway's setting, CALM_KV_CACHE_MB, where set (a worker judging versions beside a gateway on one
-    machine holds one more engine)."""
-    kv_mb = os.environ.get("CALM_KV_CACHE_MB")
-    settings = resolve(EngineOverrides(device="cpu", kv_cache_mb=int(kv_mb) if kv_mb else None))
+    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it.
+    `kv_cache_mb`: the KV cache (None: the CPU default), the gateway's setting where the CLI has one (a worker judging
+    versions beside a gateway on one machine holds one more engine)."""
+    settings = resolve(EngineOverrides(device="cpu", kv_cache_mb=kv_cache_mb))
     with tempfile.TemporaryDirectory() as tmp:
         weights = merged_model_dir(base_model, load_artifact(artifact_dir), Path(tmp))
         engine = InProcessVLLMEngine(EngineConfig(model_path=str(weights), artifact_path=str(artifact_dir),

@@ -47,6 +47,17 @@ def _store():
     return Store(GatewaySettings().database)
 
 
+def _offline_engines(settings=None):
+    """The engine factory of offline scoring (`calm eval`, reports, the worker's judging): vLLM in process, with the
+    gateway's KV cache setting (CALM_KV_CACHE_MB) where set, read through the gateway's own settings."""
+    from functools import partial
+
+    from adapters.inprocess import artifact_engine
+    from gateway.settings import GatewaySettings
+
+    return partial(artifact_engine, kv_cache_mb=(settings or GatewaySettings()).kv_cache_mb)
+
+
 @keys_app.command("create")
 @one_line_errors
 def keys_create(
@@ -162,11 +173,10 @@ def artifact_fit_semantic(
 ):
     """Fit the free-form mode's semantic-confidence map (agreement share -> probability), label-free by default, and
     write it into the mode's manifest (as metrics and reference histograms are written after export)."""
-    from adapters.inprocess import artifact_engine
     from training.evaluate import DatasetSpec
     from training.semantic_fit import SemanticFitConfig, run_semantic_fit
 
-    s = run_semantic_fit(artifact_engine, SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
+    s = run_semantic_fit(_offline_engines(), SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
                                                             samples, use_labels=labels, out_dir=str(out),
                                                             answers=str(answers) if answers else None))
     c = s["calibration"]
@@ -195,9 +205,7 @@ def artifact_recalibrate(
 
     cfg = RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None, held_out, seed)
     if cfg.labels.open_ended:
-        from adapters.inprocess import artifact_engine
-
-        s = run_recalibrate_free_form(cfg, artifact_engine)
+        s = run_recalibrate_free_form(cfg, _offline_engines())
         typer.echo(f"{out}: {s['version']} (free-form token temperature {s['token_temperature']:.3f}, parent "
                    f"{s['parent']}); {s['reason']}")
         return
@@ -272,10 +280,9 @@ def eval_cmd(
         raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone (not with multiple-choice sets), "
                         "without --answer-format")
     if any(s.open_ended for s in specs) and not gateway:
-        from adapters.inprocess import artifact_engine
         from training.free_form_eval import run_free_form_eval
 
-        summary = run_free_form_eval(artifact_engine, specs, str(artifact) if artifact else None, model, limit or None,
+        summary = run_free_form_eval(_offline_engines(), specs, str(artifact) if artifact else None, model, limit or None,
                                      seed, samples, out)
         typer.echo((out / "report.md").read_text())
         return
@@ -360,7 +367,6 @@ def train_cmd(
         typer.echo(f"resumed from step {trainer.step}")
     trainer.train()
     if trainer.fmt.generative:  # free-form answers are measured as served, after export (vLLM, as the gateway)
-        from adapters.inprocess import artifact_engine
         from training.free_form_eval import measure_artifact
 
         path = trainer.export({}, merged=merged)
@@ -369,7 +375,7 @@ def train_cmd(
                                                               ("test_out_of_domain", "out_of_domain"))
                  for label, qs in split.sources[role].items()}
         held_out = [q for role in ("calibration", "test_in_domain", "test_out_of_domain") for q in split.role(role)]
-        metrics = measure_artifact(artifact_engine, path, trainer.resolved.path, tests, held_out)
+        metrics = measure_artifact(_offline_engines(), path, trainer.resolved.path, tests, held_out)
     else:
         metrics = trainer.evaluate()
         path = trainer.export(metrics, merged=merged)
@@ -407,10 +413,9 @@ def report_cmd(
     steps = steps or (max(base.steps // 4, 10) if quick else None)
     out = out or Path("reports/open-ended" if open_ended else "reports/calm")
     if open_ended:
-        from adapters.inprocess import artifact_engine
         from training.open_report import run_open_report
 
-        run_open_report(artifact_engine, base, seeds[:1] if quick else list(seeds), out, steps,
+        run_open_report(_offline_engines(), base, seeds[:1] if quick else list(seeds), out, steps,
                         4 if quick else samples, limit=50 if quick else None)
         typer.echo((out / "report.md").read_text())
         typer.echo(f"wrote {out}/report.json, report.md, reliability-*.png")
@@ -607,7 +612,6 @@ def worker(
     the gateway; several workers may share one database)."""
     import logging
 
-    from adapters.inprocess import artifact_engine
     from calm_core.db import Database
     from gateway.settings import GatewaySettings
     from training.retrain import Worker
@@ -617,7 +621,7 @@ def worker(
     settings = GatewaySettings()
     # Free-form modes are judged as served: vLLM in process, one engine per artifact scored.
     runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
-                    settings.model, launcher, engines=artifact_engine, registry_url=settings.registry_url)
+                    settings.model, launcher, engines=_offline_engines(settings), registry_url=settings.registry_url)
     typer.echo(f"calm worker {runner.name}: jobs from {settings.database}")
     runner.run(once=once)
 
