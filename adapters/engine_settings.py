@@ -4,7 +4,8 @@ On CPU the values that run today on the 2-core machines: float32 (matches HF tra
 eager execution, a fixed KV cache in bytes, an artifact's adapter merged into a copy of the weights (vLLM's CPU
 LoRA path runs as plain PyTorch ops and was 6x slower), and the model run inside the engine-core process ("uni"
 executor) instead of a worker process of its own: one process fewer to spawn and import vLLM in per engine, which
-halves an engine's start (benchmarks/bench_engine_start.py) at the same throughput. On CUDA, vLLM's own defaults: bfloat16, CUDA graphs, the KV
+halves an engine's start (benchmarks/bench_engine_start.py) at the same throughput; and engine cores forked from
+one server that imported vLLM once instead of each spawned (adapters/engine_processes.py). On CUDA, vLLM's own defaults: bfloat16, CUDA graphs, the KV
 cache sized as a share of GPU memory, prefix caching, and adapters served by vLLM's multi-LoRA kernels in the same
 engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones come from the device.
 """
@@ -17,6 +18,7 @@ from typing import Literal
 Device = Literal["cpu", "cuda"]
 AdapterMode = Literal["merged", "lora"]
 Executor = Literal["uni", "mp"]
+EngineStart = Literal["forkserver", "spawn"]
 # vLLM's CPU platform replaces the "uni" executor by "mp" unless this is "0" where the engine's config is made.
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -33,6 +35,7 @@ class EngineOverrides:
     enable_prefix_caching: bool | None = None
     adapter_mode: AdapterMode | None = None
     executor: Executor | None = None
+    engine_start: EngineStart | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class EngineSettings:
     enable_prefix_caching: bool | None  # None: vLLM's own default for the platform
     adapter_mode: AdapterMode
     executor: Executor | None  # None: vLLM's own choice ("uni" for one GPU)
+    # How an in-process engine's core process starts: forked from a server that imported vLLM once
+    # (adapters/engine_processes.py), or vLLM's own spawn (a fresh interpreter per engine; forced on CUDA anyway).
+    engine_start: EngineStart
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,9 +91,11 @@ class EngineSettings:
 
 
 CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, kv_cache_mb=512, gpu_memory_utilization=None,
-                    enable_prefix_caching=None, adapter_mode="merged", executor="uni")
+                    enable_prefix_caching=None, adapter_mode="merged", executor="uni",
+                    engine_start="forkserver")
 CUDA_DEFAULTS = dict(dtype="bfloat16", enforce_eager=False, kv_cache_mb=None, gpu_memory_utilization=0.9,
-                     enable_prefix_caching=True, adapter_mode="lora", executor=None)
+                     enable_prefix_caching=True, adapter_mode="lora", executor=None,
+                     engine_start="spawn")
 
 
 def detect_device() -> Device:
@@ -115,7 +123,7 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
         kv_cache_bytes=kv_mb * 1024**2 if kv_mb is not None else None,
         gpu_memory_utilization=gpu_share if kv_mb is None else None,
         enable_prefix_caching=pick("enable_prefix_caching"), adapter_mode=pick("adapter_mode"),
-        executor=pick("executor"),
+        executor=pick("executor"), engine_start=pick("engine_start"),
     )
 
 

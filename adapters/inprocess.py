@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from adapters.engine_processes import fork_engine_cores
 from adapters.engine_settings import EngineOverrides, resolve
 from adapters.merged_weights import merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
@@ -114,6 +115,8 @@ class InProcessVLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         register_registry_root(self.config.registry_root)  # requests name versions there (validated in this process)
+        if self.config.engine.engine_start == "forkserver":
+            fork_engine_cores()  # for every engine this process starts from now on
 
         paths = self._weights()
         builds = {}

@@ -1,10 +1,16 @@
-"""`calm serve` (the default: embedded model, shipped artifact, 3 engines) with vLLM's two CPU executors side by side:
-"mp" (vLLM's CPU default: each engine core spawns a worker process that runs the model) and "uni" (the model runs in
-the engine-core process; our CPU default). Per round and executor, interleaved: seconds from launch to the first 200
-on /health, then seconds for 64 ARC-Easy multiple-choice questions at concurrency 8 and the option probabilities
-(the two executors must give the same numbers).
+"""`calm serve` (the default: embedded model, shipped artifact, 3 engines) started two ways side by side.
 
-    python benchmarks/bench_engine_start.py [--rounds 2]    -> benchmarks/results/engine_start.{json,md}
+`--compare executor`: vLLM's two CPU executors, "mp" (vLLM's CPU default: each engine core spawns a worker process
+that runs the model) and "uni" (the model runs in the engine-core process; our CPU default).
+`--compare start`: how the engine-core processes start (both "uni"), "spawn" (vLLM's CPU default: a fresh interpreter
+per engine) and "forkserver" (forked from one server that imported vLLM once; our CPU default).
+
+Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
+process tree had used by then, then seconds for 64 ARC-Easy multiple-choice questions at concurrency 8, the tree's
+memory (PSS) after them, and the option probabilities (both ways must give the same numbers).
+
+    python benchmarks/bench_engine_start.py [--compare executor|start] [--rounds 2]
+        -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start)
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -26,7 +33,10 @@ sys.path.insert(0, str(REPO))
 from calm_core.data import load_mc  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
-EXECUTORS = ("mp", "uni")
+# The ways compared: name -> the gateway's environment for it.
+WAYS = {"executor": {"mp": {"CALM_EXECUTOR": "mp"}, "uni": {"CALM_EXECUTOR": "uni"}},
+        "start": {"spawn": {"CALM_ENGINE_START": "spawn"}, "forkserver": {"CALM_ENGINE_START": "forkserver"}}}
+OUT = {"executor": "engine_start", "start": "engine_start_forkserver"}
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
@@ -38,52 +48,80 @@ def ask(base: str, q) -> list[float]:
     return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
 
 
-def one_run(executor: str, questions, work: Path) -> dict:
+def tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (none of the gateway's has ended by then)."""
+    return sum(sum(p.cpu_times()[:2]) for p in tree(pid))
+
+
+def tree_pss_gb(pid: int) -> float:
+    return sum(p.memory_full_info().pss for p in tree(pid)) / 2**30
+
+
+def one_run(way: str, env: dict, questions, work: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {"CALM_EXECUTOR": executor, "CALM_DB_PATH": str(work / f"{executor}.sqlite3"), "OMP_NUM_THREADS": "1"}
+    env = {**env, "CALM_DB_PATH": str(work / f"{way}.sqlite3"), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{executor}.log", env, timeout=600):
-        ready = time.monotonic() - t0
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{way}.log", env,
+                 timeout=600) as proc:
+        ready, ready_cpu = time.monotonic() - t0, tree_cpu_s(proc.pid)
         ask(base, questions[0])  # the first request starts vLLM's output handlers
         t1 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             probabilities = list(pool.map(lambda q: ask(base, q), questions))
         answered = time.monotonic() - t1
-    return {"executor": executor, "ready_s": ready, "questions_s": answered, "probabilities": probabilities}
+        pss = tree_pss_gb(proc.pid)
+    return {"way": way, "ready_s": ready, "ready_cpu_s": ready_cpu, "questions_s": answered, "pss_gb": pss,
+            "probabilities": probabilities}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--compare", choices=sorted(WAYS), default="executor")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "engine_start")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    out = args.out or REPO / "benchmarks" / "results" / OUT[args.compare]
+    ways = WAYS[args.compare]
+    (a, b) = ways  # the default of vLLM's CPU platform, then ours
     questions = load_mc("arc_easy", "test", root=SHARED_DATA)[:64]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
-            for executor in EXECUTORS:
-                run = one_run(executor, questions, Path(tmp))
-                print(f"round {round_ + 1} {executor}: ready after {run['ready_s']:.1f} s, "
-                      f"64 questions in {run['questions_s']:.1f} s", flush=True)
+            for way, env in ways.items():
+                run = one_run(way, env, questions, Path(tmp))
+                print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
+                      f"64 questions in {run['questions_s']:.1f} s, {run['pss_gb']:.2f} GB", flush=True)
                 runs.append(run)
-    by = {e: [r for r in runs if r["executor"] == e] for e in EXECUTORS}
-    median = {e: {k: statistics.median(r[k] for r in by[e]) for k in ("ready_s", "questions_s")} for e in EXECUTORS}
-    diff = max(abs(a - b) for ra, rb in zip(by["mp"], by["uni"])
-               for pa, pb in zip(ra["probabilities"], rb["probabilities"]) for a, b in zip(pa, pb))
-    summary = {"rounds": args.rounds, "median": median, "max_probability_difference": diff,
-               "ready_ratio_uni_over_mp": median["uni"]["ready_s"] / median["mp"]["ready_s"],
-               "throughput_ratio_uni_over_mp": median["mp"]["questions_s"] / median["uni"]["questions_s"],
+    keys = ("ready_s", "ready_cpu_s", "questions_s", "pss_gb")
+    by = {w: [r for r in runs if r["way"] == w] for w in ways}
+    median = {w: {k: statistics.median(r[k] for r in by[w]) for k in keys} for w in ways}
+    diff = max(abs(x - y) for ra, rb in zip(by[a], by[b])
+               for pa, pb in zip(ra["probabilities"], rb["probabilities"]) for x, y in zip(pa, pb))
+    summary = {"compare": args.compare, "rounds": args.rounds, "median": median, "max_probability_difference": diff,
+               f"ready_ratio_{b}_over_{a}": median[b]["ready_s"] / median[a]["ready_s"],
+               f"ready_cpu_ratio_{b}_over_{a}": median[b]["ready_cpu_s"] / median[a]["ready_cpu_s"],
+               f"throughput_ratio_{b}_over_{a}": median[a]["questions_s"] / median[b]["questions_s"],
                "runs": [{k: v for k, v in r.items() if k != "probabilities"} for r in runs]}
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    lines = ["# vLLM's CPU executors under `calm serve` (`python benchmarks/bench_engine_start.py`)", "",
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start"}[args.compare]
+    lines = [f"# {what} under `calm serve` (`python benchmarks/bench_engine_start.py --compare {args.compare}`)", "",
              f"The shipped gateway (3 engines), {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
-             "concurrency 8, OMP_NUM_THREADS=1.", "",
-             "| executor | launch to /health 200 (s) | 64 questions (s) |", "|---|---:|---:|"]
-    lines += [f"| {e} | {median[e]['ready_s']:.1f} | {median[e]['questions_s']:.1f} |" for e in EXECUTORS]
-    lines += ["", f"Start-up uni / mp: {summary['ready_ratio_uni_over_mp']:.2f}; throughput uni / mp: "
-              f"{summary['throughput_ratio_uni_over_mp']:.2f}; largest option-probability difference: {diff:.1e}."]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+             "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree, launch to /health 200; memory: its "
+             "PSS after the questions.", "",
+             f"| {args.compare} | launch to /health 200 (s) | CPU by then (s) | 64 questions (s) | PSS (GB) |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {w} | {m['ready_s']:.1f} | {m['ready_cpu_s']:.1f} | {m['questions_s']:.1f} | {m['pss_gb']:.2f} |"
+              for w, m in median.items()]
+    lines += ["", f"Start-up {b} / {a}: {summary[f'ready_ratio_{b}_over_{a}']:.2f} (CPU "
+              f"{summary[f'ready_cpu_ratio_{b}_over_{a}']:.2f}); throughput {b} / {a}: "
+              f"{summary[f'throughput_ratio_{b}_over_{a}']:.2f}; largest option-probability difference: {diff:.1e}."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

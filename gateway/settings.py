@@ -46,6 +46,7 @@ class GatewaySettings(BaseSettings):
     enable_prefix_caching: bool | None = None  # CUDA true; CPU vLLM's default
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
+    engine_start: Literal["forkserver", "spawn"] | None = None  # CPU "forkserver" (engine cores forked), CUDA "spawn"
     admin_key: str = DEV_ADMIN_KEY
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.
@@ -96,7 +97,7 @@ class GatewaySettings(BaseSettings):
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,
                                kv_cache_mb=self.kv_cache_mb, gpu_memory_utilization=self.gpu_memory_utilization,
                                enable_prefix_caching=self.enable_prefix_caching, adapter_mode=self.adapter_mode,
-                               executor=self.executor)
+                               executor=self.executor, engine_start=self.engine_start)
 
     @model_validator(mode="after")
     def _safe(self):

@@ -15,6 +15,7 @@ def test_cpu_defaults_are_todays_engine():
     assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
         "cpu", "float32", True, 512 * 1024**2, None)
     assert s.adapter_mode == "merged" and s.enable_prefix_caching is None and s.executor == "uni"
+    assert s.engine_start == "forkserver"  # engine cores forked from one server that imported vLLM
     assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
                                "kv_cache_memory_bytes": 512 * 1024**2}
     assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
@@ -28,6 +29,7 @@ def test_cuda_defaults_are_vllms():
     assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
         "cuda", "bfloat16", False, None, 0.9)
     assert s.adapter_mode == "lora" and s.enable_prefix_caching is True
+    assert s.engine_start == "spawn"  # vLLM's own (it forces spawn once CUDA is initialised)
     assert s.vllm_kwargs() == {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": True,
                                "gpu_memory_utilization": 0.9}
     assert "--enforce-eager" not in s.server_args() and "--gpu-memory-utilization" in s.server_args()
@@ -63,8 +65,10 @@ def test_gateway_settings_carry_the_overrides(monkeypatch):
     monkeypatch.setenv("CALM_DEVICE", "cuda")
     monkeypatch.setenv("CALM_GPU_MEMORY_UTILIZATION", "0.6")
     monkeypatch.setenv("CALM_ADAPTER_MODE", "merged")
+    monkeypatch.setenv("CALM_ENGINE_START", "forkserver")
     s = resolve(GatewaySettings().engine_overrides())
     assert (s.device, s.gpu_memory_utilization, s.adapter_mode, s.dtype) == ("cuda", 0.6, "merged", "bfloat16")
+    assert s.engine_start == "forkserver"
     monkeypatch.delenv("CALM_DEVICE")
     monkeypatch.delenv("CALM_GPU_MEMORY_UTILIZATION")
     assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
