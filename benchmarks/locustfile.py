@@ -51,7 +51,8 @@ class Application(HttpUser):
             if r.status_code in (200, 429):
                 r.success()
             else:
-                r.failure(f"{r.status_code}: {r.text[:200]}")
+                # Status 0: no answer at all; requests' exception says why (a reset, a refused connection).
+                r.failure(f"{r.status_code}: {r.text[:200] if r.status_code else repr(r.error)}")
             return r
 
     @task(5)

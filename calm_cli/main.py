@@ -459,7 +459,8 @@ def serve(
     # No proxy-headers layer: the gateway never reads the client's address, and the layer wraps every request.
     server = uvicorn.Server(uvicorn.Config(starting, host=settings.host, port=settings.port, log_level="info",
                                            access_log=False, loop="uvloop", http="httptools", proxy_headers=False,
-                                           timeout_graceful_shutdown=int(settings.drain_s) or None))
+                                           timeout_graceful_shutdown=int(settings.drain_s) or None,
+                                           timeout_keep_alive=settings.keep_alive_s))
     starting.on_ready = lambda: stage(f"ready on {url} after {progress.elapsed():.1f} s")
     starting.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()

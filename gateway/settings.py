@@ -73,6 +73,10 @@ class GatewaySettings(BaseSettings):
     max_in_flight: int = Field(default=256, gt=0)  # generation requests being served per replica; beyond: 429
     request_deadline_s: float = Field(default=300.0, gt=0)  # a non-streaming request still running then: 504
     drain_s: float = Field(default=30.0, ge=0)  # on shutdown, time given to requests in flight to finish
+    # An idle client connection is closed after this long. Longer than the idle timeouts of the balancers and clients
+    # that reuse connections (AWS ALB 60 s, nginx 60 s): a server closing first races a request sent on the connection
+    # at that moment, which then fails without an answer (uvicorn's 5 s default did so in the load test).
+    keep_alive_s: int = Field(default=75, gt=0)
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import time
 
 import httpx
 import numpy as np
@@ -67,6 +69,20 @@ def test_models_and_health(client, gateway):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(f"{gateway}/health").json()
     assert health["status"] == "ok" and health["artifact_version"].startswith("test-")
+
+
+def test_an_idle_connection_outlives_uvicorns_5_s_default(gateway):
+    """A client (or balancer) reusing a connection after 6 s idle is answered on it: with uvicorn's default the gateway
+    closed it at 5 s, and a request sent at that moment failed with no answer (CALM_KEEP_ALIVE_S, default 75)."""
+    conn = http.client.HTTPConnection(gateway.removeprefix("http://"), timeout=30)
+    conn.request("GET", "/health/live")
+    assert conn.getresponse().read() is not None
+    sock = conn.sock
+    time.sleep(6)  # the idle time under test, not a wait for an event
+    conn.request("GET", "/health/live")  # http.client does not reconnect: a closed connection raises here or below
+    response = conn.getresponse()
+    assert response.status == 200 and conn.sock is sock
+    conn.close()
 
 
 def test_multiple_choice_confidence_equals_alpha_head_on_hf_logits(client, embedded_model, shared_data):
