@@ -43,7 +43,7 @@ class EnvCarryingProcess(ForkServerProcess):
 
 
 class EngineCoreContext:
-    """What vLLM's `get_mp_context()` returns: processes as above; the rest (queues, events) the forkserver context's."""
+    """What vLLM's `get_mp_context()` returns: processes as above; queues, events and the rest the forkserver's."""
 
     def __init__(self):
         self._context = multiprocessing.get_context("forkserver")

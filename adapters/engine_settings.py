@@ -7,7 +7,8 @@ executor) instead of a worker process of its own: one process fewer to spawn and
 halves an engine's start (benchmarks/bench_engine_start.py) at the same throughput; and engine cores forked from one
 server that imported vLLM once instead of each spawned (adapters/engine_processes.py). On CUDA, vLLM's own defaults:
 bfloat16, CUDA graphs, the KV cache sized as a share of GPU memory, prefix caching, and adapters served by vLLM's
-multi-LoRA kernels in the same engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones come from the device.
+multi-LoRA kernels in the same engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones
+come from the device.
 """
 
 from __future__ import annotations

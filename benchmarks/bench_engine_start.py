@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from calm_core.data import load_mc  # noqa: E402
+from tests.memory_budget import tree_pss_gb  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 # The ways compared: name -> the gateway's environment for it.
@@ -48,18 +49,10 @@ def ask(base: str, q) -> list[float]:
     return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
 
 
-def tree(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
-
-
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants (none of the gateway's has ended by then)."""
-    return sum(sum(p.cpu_times()[:2]) for p in tree(pid))
-
-
-def tree_pss_gb(pid: int) -> float:
-    return sum(p.memory_full_info().pss for p in tree(pid)) / 2**30
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
 
 
 def one_run(way: str, env: dict, questions, work: Path) -> dict:
