@@ -8,11 +8,12 @@ import tempfile
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from adapters.engine_processes import fork_engine_cores
-from adapters.engine_settings import EngineOverrides, resolve
-from adapters.merged_weights import merged_model_dir
+from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
+from adapters.merged_weights import built_merged_dir, merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
 from calm_core.artifact import load_artifact, read_manifest
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
@@ -286,16 +287,24 @@ class InProcessVLLMEngine:
         self._engines = {}
 
 
+def offline_settings(overrides: EngineOverrides) -> EngineSettings:
+    """The gateway's engine settings as offline scoring runs them: on CPU with merged adapters whatever the gateway's
+    device (so without its GPU share)."""
+    return resolve(replace(overrides, device="cpu", adapter_mode="merged", gpu_memory_utilization=None))
+
+
 @asynccontextmanager
 async def artifact_engine(base_model: str, artifact_dir: str,
-                          kv_cache_mb: int | None = None) -> AsyncIterator[InProcessVLLMEngine]:
-    """An `EngineFactory` for offline evaluation: vLLM in process on the artifact's weights (its adapter merged into a
-    temporary copy, removed afterwards) with its α head in the logits processor, as the gateway serves it.
-    `kv_cache_mb`: the KV cache (None: the CPU default), the gateway's setting where the CLI has one (a worker judging
-    versions beside a gateway on one machine holds one more engine)."""
-    settings = resolve(EngineOverrides(device="cpu", kv_cache_mb=kv_cache_mb))
+                          overrides: EngineOverrides | None = None) -> AsyncIterator[InProcessVLLMEngine]:
+    """An `EngineFactory` for offline evaluation: vLLM in process on the artifact's weights with its α head in the
+    logits processor, as the gateway serves it. The adapter merged: the copy in the cache when a gateway has served the
+    version (the shipped one, a parent being judged), else a temporary one, removed afterwards (a candidate that may be
+    rejected leaves no half-gigabyte copy behind). `overrides`: the gateway's engine settings (CALM_KV_CACHE_MB,
+    CALM_ENGINE_START, ...), as `offline_settings` applies them."""
+    settings = offline_settings(overrides or EngineOverrides())
+    artifact = load_artifact(artifact_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        weights = merged_model_dir(base_model, load_artifact(artifact_dir), Path(tmp))
+        weights = built_merged_dir(base_model, artifact) or merged_model_dir(base_model, artifact, Path(tmp))
         engine = InProcessVLLMEngine(EngineConfig(model_path=str(weights), artifact_path=str(artifact_dir),
                                                   engine=settings, max_model_len=1024))
         await engine.start()
@@ -303,4 +312,3 @@ async def artifact_engine(base_model: str, artifact_dir: str,
             yield engine
         finally:
             await engine.close()
-

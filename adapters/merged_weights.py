@@ -21,11 +21,24 @@ from calm_core.paths import calm_home
 from calm_core.startup import stage
 
 
+def _merged_target(artifact: LoadedArtifact, home: Path | None) -> Path:
+    return (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+
+
+def built_merged_dir(base_model_path: str, artifact: LoadedArtifact) -> Path | None:
+    """The folder to serve if nothing needs building: the base model when the artifact has no adapter, or the merged
+    copy a gateway (or an earlier call) left in the cache; None when the merge has not been done."""
+    if artifact.adapter_dir is None:
+        return Path(base_model_path)
+    target = _merged_target(artifact, None)
+    return target if (target / "config.json").is_file() else None
+
+
 def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
     """The folder to serve: the base model itself when the artifact has no adapter, else base+adapter merged."""
     if artifact.adapter_dir is None:
         return Path(base_model_path)
-    target = (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+    target = _merged_target(artifact, home)
     if (target / "config.json").is_file():
         return target
     stage(f"merging version {artifact.manifest.artifact_version}'s adapter into a copy of the weights (once)")

@@ -49,13 +49,13 @@ def _store():
 
 def _offline_engines(settings=None):
     """The engine factory of offline scoring (`calm eval`, reports, the worker's judging): vLLM in process, with the
-    gateway's KV cache setting (CALM_KV_CACHE_MB) where set, read through the gateway's own settings."""
+    gateway's engine settings where set (CALM_KV_CACHE_MB, CALM_ENGINE_START, ...), read through its own settings."""
     from functools import partial
 
     from adapters.inprocess import artifact_engine
     from gateway.settings import GatewaySettings
 
-    return partial(artifact_engine, kv_cache_mb=(settings or GatewaySettings()).kv_cache_mb)
+    return partial(artifact_engine, overrides=(settings or GatewaySettings()).engine_overrides())
 
 
 @keys_app.command("create")

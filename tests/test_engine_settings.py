@@ -72,3 +72,41 @@ def test_gateway_settings_carry_the_overrides(monkeypatch):
     monkeypatch.delenv("CALM_DEVICE")
     monkeypatch.delenv("CALM_GPU_MEMORY_UTILIZATION")
     assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
+
+
+def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):
+    """`calm eval`, reports and the worker's judging run the gateway's engine settings (here a CUDA gateway's), on
+    CPU with merged adapters: the GPU share is dropped, the KV cache and the engine start carried."""
+    from adapters.inprocess import offline_settings
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv("CALM_DEVICE", "cuda")
+    monkeypatch.setenv("CALM_ADAPTER_MODE", "lora")
+    monkeypatch.setenv("CALM_ENGINE_START", "spawn")
+    monkeypatch.setenv("CALM_KV_CACHE_MB", "96")
+    s = offline_settings(GatewaySettings().engine_overrides())
+    assert (s.device, s.adapter_mode, s.engine_start, s.kv_cache_bytes) == ("cpu", "merged", "spawn", 96 * 1024**2)
+    monkeypatch.delenv("CALM_KV_CACHE_MB")
+    monkeypatch.setenv("CALM_GPU_MEMORY_UTILIZATION", "0.6")
+    s = offline_settings(GatewaySettings().engine_overrides())
+    assert (s.gpu_memory_utilization, s.kv_cache_bytes, s.dtype) == (None, 512 * 1024**2, "float32")
+
+
+def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_path, shipped_artifact):
+    """A version with an adapter: its merged copy from the cache once a gateway built it, else None (offline scoring
+    then merges into a temporary folder); a version without one: the base model."""
+    from adapters.merged_weights import built_merged_dir
+    from calm_core.artifact import load_artifact
+    from training.artifacts import write_identity_artifact
+
+    write_identity_artifact(tmp_path / "identity", with_reference=False)
+    monkeypatch.setenv("CALM_HOME", str(tmp_path))
+    assert shipped_artifact.adapter_dir is not None and built_merged_dir("/base", shipped_artifact) is None
+    m = shipped_artifact.manifest
+    built = tmp_path / "merged" / f"{m.artifact_version}-{m.head_sha256[:8]}"
+    built.mkdir(parents=True)
+    assert built_merged_dir("/base", shipped_artifact) is None  # a folder without config.json is a merge cut short
+    (built / "config.json").write_text("{}")
+    assert built_merged_dir("/base", shipped_artifact) == built
+    identity = load_artifact(tmp_path / "identity")
+    assert identity.adapter_dir is None and str(built_merged_dir("/base", identity)) == "/base"
