@@ -9,9 +9,10 @@ confidence it has on TriviaQA (offline, the 200 least popular: accuracy 0.0, mea
 alert fires; the worker retrains the free-form mode with generative CALM on the captured prompts (no labels: the
 model's own greedy answers), keeps the multiple-choice mode, and gates the candidate on the domain's labelled
 free-form questions (accuracy on the loop config's open-ended test set, ECE on the questions the operator uploaded
-with alias answers). Promoted, it serves the domain. On 100 held-out labelled questions of that traffic, answered
+with alias answers). Promoted, it serves the domain. On 50 held-out labelled questions of that traffic, answered
 through the gateway by both versions (the parent pinned with `calm.version`), the new version's ECE is below the
-parent's at accuracy >= the parent's - 1 point.
+parent's at accuracy >= the parent's - 1 point. (50, not 100 as before 2026-12-03: both versions gave the same answers
+to all 100, all wrong, at confidences 0.107 and 0.057, so half as many questions still separate them, for ~80 s less.)
 The numbers go to benchmarks/results/retrain_loop_free_form.{json,md} (the newest two runs: the README's table).
 """
 
@@ -37,7 +38,7 @@ from tests.servers import free_port, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(12.0)]
 MODEL = "calm-smollm2-135m"
 DOMAIN = "trivia"
-N_TRAFFIC, N_LABELS, N_TESTS, N_HELD_OUT = 110, 60, 40, 100
+N_TRAFFIC, N_LABELS, N_TESTS, N_HELD_OUT = 110, 60, 40, 50
 CREDITS = ("director", "screenwriter", "producer", "author", "composer")
 
 
@@ -175,15 +176,15 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
 
 def record_free_form_run(measured: dict) -> None:
     runs = record_runs("retrain_loop_free_form", {**measured, "date": datetime.now().strftime("%Y-%m-%d %H:%M")}, keep=2)
-    lines = [f"On {N_HELD_OUT} held-out labelled questions of the shifted traffic (PopQA credits: {', '.join(CREDITS)}; "
-             "free form, greedy answers of at most 48 tokens, token confidence):", "",
-             "| run | version | accuracy | mean confidence | ECE-10 | AUROC | same answers | PSI shifted → after | "
-             "alert → promoted (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["On held-out labelled questions of the shifted traffic (PopQA credits: " + ", ".join(CREDITS) + "; free form, "
+             "greedy answers of at most 48 tokens, token confidence), as many as `questions` says:", "",
+             "| run | version | questions | accuracy | mean confidence | ECE-10 | AUROC | same answers | "
+             "PSI shifted → after | alert → promoted (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for i, run in enumerate(runs, 1):
         for name, m in (("shipped (parent)", run["parent"]), ("retrained free-form mode", run["candidate"])):
             extra = (f"{run['same_answers']} of {m['n']} | {run['psi_shifted']:.2f} → {run['psi_after']:.2f} | "
                      f"{run['alert_to_promotion_s']:.0f}") if "retrained" in name else "| |"
             auroc_text = f"{m['auroc']:.3f}" if m["auroc"] == m["auroc"] else "– (no right answer)"
-            lines.append(f"| {i} ({run['date']}) | {name} | {m['accuracy']:.3f} | {m['mean_confidence']:.3f} | "
+            lines.append(f"| {i} ({run['date']}) | {name} | {m['n']} | {m['accuracy']:.3f} | {m['mean_confidence']:.3f} | "
                          f"{m['ece_10']:.3f} | {auroc_text} | {extra} |")
     write_markdown("retrain_loop_free_form", "\n".join(lines))
