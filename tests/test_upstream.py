@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import calm_argv, free_port, running, wait_until
+from tests.servers import calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -63,7 +63,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}", "{engine_url}"]',
            "CALM_DB_PATH": str(tmp_path / "g.db"), "VLLM_CPU_KVCACHE_SPACE": "1", **registry}
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log",
-                 registry, timeout=300) as engine, \
+                 registry, timeout=300), \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
         base = f"http://127.0.0.1:{gw_port}"
         r = chat(base, **QUESTION)
@@ -102,57 +102,10 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                                                  "CALM_DB_PATH": str(tmp_path / "stray.db")})
         assert stray.returncode != 0 and "CALM_REGISTRY_DIR" in stray.stderr + stray.stdout, stray.stderr[-2000:]
 
-        # Fault: the engine is killed under load. Requests in flight and new ones get a 503 (none hangs), and
-        # service resumes by itself once the engine is back on its port. Each step waits for the event it needs
-        # (answers acknowledged, the port refusing, answers after it), never for a fixed time: a busy machine can take
-        # seconds per 16-token answer.
-        import signal
-        import socket
-        import threading
+        # An engine killed under load (503s for requests in flight, none hangs, served again once an engine is back
+        # on its port): tests/test_fleet.py (c), with two engines and the restarted one alone serving at the end; all
+        # upstreams down answered with a quick 503: test_dead_upstream_returns_503_quickly above.
 
-        results, stop = [], threading.Event()
-
-        def client():
-            while not stop.is_set():
-                start = time.monotonic()
-                try:
-                    code = chat(base, messages=[{"role": "user", "content": "Name a color."}], max_tokens=16).status_code
-                except httpx.HTTPError as e:
-                    code = type(e).__name__
-                results.append((start, time.monotonic() - start, code))
-
-        def refuses(port: int) -> bool:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return False
-            except OSError:
-                return True
-
-        threads = [threading.Thread(target=client) for _ in range(4)]
-        for t in threads:
-            t.start()
-        wait_until("4 answers before the kill", lambda: sum(code == 200 for *_, code in results) >= 4, every=0.05)
-        killed_at = time.monotonic()
-        os.killpg(engine.pid, signal.SIGKILL)
-        engine.wait()
-        wait_until("the engine's port to refuse connections", lambda: refuses(engine_port), every=0.05)
-        dead_at = time.monotonic()
-        wait_until("8 answers started after the engine died", lambda: sum(r[0] > dead_at for r in results) >= 8, every=0.05)
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads)  # nothing hangs
-        before = [r for r in results if r[0] + r[1] < killed_at]
-        after = [r for r in results if r[0] > dead_at]
-        assert len(before) >= 4 and all(code == 200 for _, _, code in before)
-        assert all(code == 503 for _, _, code in after), after
-        # A refused connection is answered at once: far under the 30 s read timeout and the client's 60 s, so a
-        # request that waited on either fails this, however slow the machine.
-        assert max(took for _, took, _ in after) < 10.0, after
-        assert all(code in (200, 503) for _, _, code in results)  # the ones cut mid-request: 503, never a 500
-        with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine2.log",
-                     registry, timeout=300):
-            wait_until("a 200 once the engine is back", lambda: chat(base, **QUESTION).status_code == 200, every=0.05)
 
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
     """The failover logic over real sockets: a refused connection or a 5xx moves the request to the next upstream
