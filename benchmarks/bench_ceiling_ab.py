@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,9 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from benchmarks.bench_lean import WRK_SCRIPT, _listening_pid, chat_body, run_wrk, wrk_binary  # noqa: E402
+from benchmarks.bench_lean import (  # noqa: E402
+    WRK_SCRIPT, _listening_pid, chat_body, run_wrk, upstream_gateway_env, wrk_binary,
+)
 from tests.servers import free_port, running  # noqa: E402
 
 
@@ -68,6 +71,7 @@ def main() -> None:
     script.write_text(WRK_SCRIPT.format(body=json.dumps(chat_body("What is the capital of France?")), key="sk-bench"))
     with ExitStack() as stack:
         trees = tempfile.mkdtemp(prefix="calm-ab-")
+        stack.callback(shutil.rmtree, trees, ignore_errors=True)  # runs after the worktrees' removal (LIFO)
         sources = {"A": worktree(stack, args.a, None, Path(trees), "a"),
                    "B": worktree(stack, args.b, args.b_patch, Path(trees), "b")}
         port = free_port()
@@ -77,9 +81,7 @@ def main() -> None:
         urls = {}
         for tag, source in sources.items():
             gw = free_port()
-            env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([upstream]),
-                   "CALM_DB_PATH": str(args.out / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(identity),
-                   "CALM_REGISTRY_DIR": str(args.out / "registry")}
+            env = upstream_gateway_env(upstream, args.out, tag, identity)
             # From its own checkout: `python -m` puts the working directory first on the import path.
             stack.enter_context(running(["taskset", "-c", "0", sys.executable, "-m", "calm_cli", "serve", "--port",
                                          str(gw)], f"http://127.0.0.1:{gw}/health", args.out / f"gateway-{tag}.log",

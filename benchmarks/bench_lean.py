@@ -61,6 +61,14 @@ def wrk_binary() -> str:
     return "wrk"
 
 
+def upstream_gateway_env(upstream: str, logs: Path, tag: str, identity: Path) -> dict[str, str]:
+    """A gateway in front of `upstream` serving the identity artifact, its database and registry under `logs`. One
+    registry folder with the engine: the gateway names its version per request, the engine looks it up there."""
+    return {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([upstream]),
+            "CALM_DB_PATH": str(logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(identity),
+            "CALM_REGISTRY_DIR": str(logs / "registry")}
+
+
 class Proxies:
     """The three proxies in front of one upstream, each started on demand (optionally pinned to a core)."""
 
@@ -73,10 +81,7 @@ class Proxies:
 
     def start(self, tag: str) -> dict[str, str]:
         gw, pt = free_port(), free_port()
-        # One registry folder with the engine: the gateway names its version per request, the engine looks it up there.
-        env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([self.upstream]),
-               "CALM_DB_PATH": str(self.logs / f"gateway-{tag}.sqlite3"), "CALM_ARTIFACT": str(self.identity),
-               "CALM_REGISTRY_DIR": str(self.logs / "registry")}
+        env = upstream_gateway_env(self.upstream, self.logs, tag, self.identity)
         self.stack.enter_context(running(self._pin(calm_argv("serve", "--port", str(gw))),
                                          f"http://127.0.0.1:{gw}/health", self.logs / f"gateway-{tag}.log", env=env))
         litellm = self.stack.enter_context(litellm_proxy(MODEL, f"{self.upstream}/v1", self.logs / f"litellm-{tag}",
