@@ -171,6 +171,19 @@ def memory_budget(request, tmp_path_factory):
 
 
 # -- order: the slowest files first, files that need much memory apart ----------------------------------------------
+PUBLISHED_TIMES = REPO / "benchmarks" / "results" / "test-times.md"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out files in the order below, one file ahead at most (tests/file_schedule.py)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from tests.file_schedule import OneFileAhead
+
+    _, seconds = per_file(PUBLISHED_TIMES) if PUBLISHED_TIMES.is_file() else (0.0, {})
+    return OneFileAhead(config, log, seconds)
+
+
 def pytest_collection_modifyitems(config, items):
     """Files in the order of their seconds in the published run (benchmarks/results/test-times.md), slowest first,
     tests within a file as written. With two pytest-xdist workers (scripts/test.sh) the longest file then starts at once
@@ -180,8 +193,7 @@ def pytest_collection_modifyitems(config, items):
     unmarked files, the others after every unmarked file, so marked files meet only at the end, where
     tests/memory_budget.py lets the pairs that fit run together and makes the others wait. (By mark, not by seconds:
     a file's published seconds include any wait for memory.)"""
-    published = REPO / "benchmarks" / "results" / "test-times.md"
-    _, seconds = per_file(published) if published.is_file() else (0.0, {})
+    _, seconds = per_file(PUBLISHED_TIMES) if PUBLISHED_TIMES.is_file() else (0.0, {})
     file_of = lambda item: item.nodeid.split("::")[0]  # noqa: E731
     # A file the published run does not list is unmeasured: it starts early, so a slow new one never starts last.
     secs = lambda item: seconds.get(file_of(item), float("inf"))  # noqa: E731
