@@ -173,7 +173,7 @@ def artifact_fit_semantic(
 ):
     """Fit the free-form mode's semantic-confidence map (agreement share -> probability), label-free by default, and
     write it into the mode's manifest (as metrics and reference histograms are written after export)."""
-    from training.evaluate import DatasetSpec
+    from training.dataset_spec import DatasetSpec
     from training.semantic_fit import SemanticFitConfig, run_semantic_fit
 
     s = run_semantic_fit(_offline_engines(), SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
@@ -200,7 +200,7 @@ def artifact_recalibrate(
     """Fit a temperature on the version's option scores (multiple-choice labels) or on its free-form answers' token
     log-probs (open-ended labels) to a domain's labels (no training) and, if it passes its held-out check (ECE falls,
     AUROC does not), write it as a new version (register and promote it with `calm artifacts`)."""
-    from training.evaluate import DatasetSpec
+    from training.dataset_spec import DatasetSpec
     from training.recalibrate import RecalibrateConfig, run_recalibrate, run_recalibrate_free_form
 
     cfg = RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None, held_out, seed)
@@ -268,7 +268,7 @@ def eval_cmd(
     report.json, report.md, reliability.png and each question's option probabilities. Open-ended sets (triviaqa,
     popqa; 'triviaqa:sample@0.7-0.8' for a range) are answered by the artifact's free-form mode through vLLM."""
     from calm_core.data import MC_DATASETS
-    from training.evaluate import DatasetSpec
+    from training.dataset_spec import DatasetSpec
 
     names = list(dataset) + (list(MC_DATASETS) if all_mc else [])
     if not names:
@@ -319,7 +319,7 @@ def policy_fit(
     """Guaranteed abstention threshold (Learn-then-Test) for an artifact on labelled questions; prints it with its
     coverage (escalate/review: the share handed off and the error rate of the answers kept), writes fit.json,
     scores.npz and selective_risk.png."""
-    from training.evaluate import DatasetSpec
+    from training.dataset_spec import DatasetSpec
     from training.policy_fit import PolicyFitConfig, run_policy_fit
 
     if not (0 < target_risk < 1 and 0 < delta < 1):

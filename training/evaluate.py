@@ -16,77 +16,15 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from pydantic import ValidationError
-
-from calm_core.data import OPEN_DATASETS, MCQuestion, default_split, load_mc, load_mc_file, load_open, load_open_file
-from calm_core.errors import ConfigError, DataError
+from calm_core.data import MCQuestion
+from calm_core.errors import ConfigError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.plots import reliability_diagram
 from calm_core.prompts import AnswerFormatName
-from calm_core.splits import SourceSpec, select
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
+from training.dataset_spec import DatasetSpec
 from training.scoring import load_tokenizer
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    name: str  # a known dataset, or a JSONL file in the shared schema
-    split: str
-    fraction: tuple[float, float] | None = None  # a range of the split's seeded order, as domain splits take it
-
-    @classmethod
-    def parse(cls, text: str) -> "DatasetSpec":
-        """'arc_easy', 'arc_easy:dev', 'triviaqa:sample@0.7-0.8' (that fraction of the split, in the order domain
-        splits use, so it can be kept apart from a split's training range), or a path to a .jsonl file."""
-        if text.endswith(".jsonl") or Path(text).is_file():
-            return cls(text, "file")
-        text, _, part = text.partition("@")
-        name, _, split = text.partition(":")
-        fraction = None
-        if part:
-            try:
-                lo, hi = (float(x) for x in part.split("-"))
-            except ValueError:
-                raise DataError(f"dataset range must look like name:split@0.7-0.8, not {part!r}") from None
-            fraction = (lo, hi)
-        return cls(name, split or default_split(name), fraction)
-
-    @property
-    def open_ended(self) -> bool:
-        """A known open-ended dataset, or a JSONL file whose first question has no options (`answers` aliases)."""
-        if self.split == "file":
-            return _file_is_open_ended(self.name)
-        return self.name in OPEN_DATASETS
-
-    @property
-    def label(self) -> str:
-        if self.split == "file":
-            return Path(self.name).stem
-        return f"{self.name}:{self.split}" + (f"@{self.fraction[0]:g}-{self.fraction[1]:g}" if self.fraction else "")
-
-    def load(self) -> list:
-        if self.split == "file":
-            if not Path(self.name).is_file():
-                raise DataError(f"data file not found: {self.name}")
-            return load_open_file(self.name) if self.open_ended else load_mc_file(self.name)
-        if self.fraction is not None:
-            try:
-                return select(SourceSpec(dataset=self.name, split=self.split, fraction=self.fraction), seed=0)
-            except ValidationError as e:
-                raise DataError(f"{self.label}: {e.errors()[0]['msg']}") from None
-        if self.open_ended:
-            return load_open(self.name, self.split)
-        return load_mc(self.name, self.split)
-
-
-def _file_is_open_ended(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            first = json.loads(next((line for line in f if line.strip()), "{}"))
-    except (OSError, ValueError):
-        return False  # load() says what is wrong with the file
-    return isinstance(first, dict) and "choices" not in first and "answers" in first
 
 
 @dataclass(frozen=True)
