@@ -42,7 +42,8 @@ mkdir -p "$CALM_HOME"
 # per test (setup + call + teardown), also written to $CALM_TEST_TIMES_OUT (benchmarks/results/test-times.md holds a published one).
 export CALM_TEST_TIMES_OUT=${CALM_TEST_TIMES_OUT:-$CALM_HOME/test-times.md}
 # Two files at a time (pytest-xdist, whole files per worker so a module's server starts once), the slowest files first
-# (tests/conftest.py orders them; --no-loadscope-reorder keeps xdist from reordering by test count): most of a slow
-# test is one engine's single thread, so the second core is otherwise idle.
+# (tests/conftest.py orders them; --no-loadscope-reorder keeps xdist from reordering by test count), each worker
+# handed one file ahead at most (tests/file_schedule.py): most of a slow test is one engine's single thread, so the
+# second core is otherwise idle.
 # CALM_TEST_WORKERS=0 runs everything in this process.
 exec "$VENV/bin/pytest" -q --durations=30 -n "${CALM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -174,6 +174,7 @@ def memory_budget(request, tmp_path_factory):
 PUBLISHED_TIMES = REPO / "benchmarks" / "results" / "test-times.md"
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without pytest-xdist installed does not know it
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` hands out files in the order below, one file ahead at most (tests/file_schedule.py)."""
     if config.getoption("dist") != "loadfile":
