@@ -25,22 +25,21 @@ def _merged_target(artifact: LoadedArtifact, home: Path | None) -> Path:
     return (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
 
 
-def built_merged_dir(base_model_path: str, artifact: LoadedArtifact) -> Path | None:
+def built_merged_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path | None:
     """The folder to serve if nothing needs building: the base model when the artifact has no adapter, or the merged
-    copy a gateway (or an earlier call) left in the cache; None when the merge has not been done."""
+    copy a gateway (or an earlier call) left in `home`'s cache; None when the merge has not been done."""
     if artifact.adapter_dir is None:
         return Path(base_model_path)
-    target = _merged_target(artifact, None)
+    target = _merged_target(artifact, home)
     return target if (target / "config.json").is_file() else None
 
 
 def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
     """The folder to serve: the base model itself when the artifact has no adapter, else base+adapter merged."""
-    if artifact.adapter_dir is None:
-        return Path(base_model_path)
+    built = built_merged_dir(base_model_path, artifact, home)
+    if built is not None:
+        return built
     target = _merged_target(artifact, home)
-    if (target / "config.json").is_file():
-        return target
     stage(f"merging version {artifact.manifest.artifact_version}'s adapter into a copy of the weights (once)")
     import torch
     from peft import PeftModel

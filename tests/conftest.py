@@ -174,6 +174,11 @@ def memory_budget(request, tmp_path_factory):
 PUBLISHED_TIMES = REPO / "benchmarks" / "results" / "test-times.md"
 
 
+def published_seconds() -> dict[str, float]:
+    """Each file's seconds in the published run; none when there is no published run."""
+    return per_file(PUBLISHED_TIMES)[1] if PUBLISHED_TIMES.is_file() else {}
+
+
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without pytest-xdist installed does not know it
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile` hands out files in the order below, one file ahead at most (tests/file_schedule.py)."""
@@ -181,8 +186,7 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from tests.file_schedule import OneFileAhead
 
-    _, seconds = per_file(PUBLISHED_TIMES) if PUBLISHED_TIMES.is_file() else (0.0, {})
-    return OneFileAhead(config, log, seconds)
+    return OneFileAhead(config, log, published_seconds())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -194,7 +198,7 @@ def pytest_collection_modifyitems(config, items):
     unmarked files, the others after every unmarked file, so marked files meet only at the end, where
     tests/memory_budget.py lets the pairs that fit run together and makes the others wait. (By mark, not by seconds:
     a file's published seconds include any wait for memory.)"""
-    _, seconds = per_file(PUBLISHED_TIMES) if PUBLISHED_TIMES.is_file() else (0.0, {})
+    seconds = published_seconds()
     file_of = lambda item: item.nodeid.split("::")[0]  # noqa: E731
     # A file the published run does not list is unmeasured: it starts early, so a slow new one never starts last.
     secs = lambda item: seconds.get(file_of(item), float("inf"))  # noqa: E731
