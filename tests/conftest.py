@@ -167,7 +167,8 @@ def memory_budget(request, tmp_path_factory):
             budget.release(holder)
         with open(run / "memory-peaks.jsonl", "a") as f:
             f.write(json.dumps({"module": request.node.nodeid, "marked_gb": gb, "peak_gb": round(peak.peak_gb, 2),
-                                "waited_s": round(waited, 1)}) + "\n")
+                                "waited_s": round(waited, 1), "cpu_s": round(peak.cpu_s, 1),
+                                "busy_processes": peak.busy_processes}) + "\n")
 
 
 # -- order: the slowest files first, files that need much memory apart ----------------------------------------------
@@ -250,12 +251,29 @@ def _memory_table(peaks_file: Path, top: int = 15) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cpu_table(peaks_file: Path, top: int = 20) -> str:
+    """The files that used the most CPU (the worker and everything it started): with both cores busy, what a file costs
+    the run's wall time is its CPU seconds, not its own wall time."""
+    if not peaks_file.is_file():
+        return ""
+    rows = [r for r in map(json.loads, peaks_file.read_text().splitlines()) if "cpu_s" in r]
+    total = sum(r["cpu_s"] for r in rows)
+    lines = [f"CPU: {total / 60:.1f} min in all", "",
+             "| file | CPU (s) | share | processes over 5 CPU s |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['module']} | {r['cpu_s']:.0f} | {r['cpu_s'] / max(total, 1e-9):.1%} | {r['busy_processes']} |"
+              for r in sorted(rows, key=lambda r: -r["cpu_s"])[:top]]
+    return "\n".join(lines) + "\n"
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _SECONDS:
         return
-    memory = _memory_table(_run_dir(config._tmp_path_factory) / "memory-peaks.jsonl")
+    peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"
+    memory, cpu = _memory_table(peaks), _cpu_table(peaks)
     table = _times_table() + (f"\nMemory per file (the peak PSS of the worker and everything it started; "
-                              f"tests/memory_budget.py):\n\n{memory}" if memory else "")
+                              f"tests/memory_budget.py):\n\n{memory}" if memory else "") + (
+        f"\nCPU per file (the worker and everything it started, sampled every 2 s; tests/memory_budget.py):\n\n{cpu}"
+        if cpu else "")
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
     out = os.environ.get("CALM_TEST_TIMES_OUT")  # scripts/test.sh sets it (.calm/test-times.md by default)

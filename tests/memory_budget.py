@@ -87,36 +87,66 @@ class MemoryBudget:
 def tree_pss_gb(pid: int | None = None) -> float:
     """Proportional set size of a process and its descendants (shared pages split among their users, so the sum over
     processes is what they take together)."""
+    return _tree_sample(pid)[0]
+
+
+def _tree_sample(pid: int | None = None) -> tuple[float, dict[tuple[int, float], float]]:
+    """(PSS of the tree in GB, CPU seconds used so far by each process of it, keyed by pid and start time)."""
     root = psutil.Process(pid)
-    total = 0
+    total, cpu = 0, {}
     for proc in [root, *root.children(recursive=True)]:
         try:
-            total += proc.memory_full_info().pss
+            with proc.oneshot():
+                times = proc.cpu_times()
+                cpu[(proc.pid, proc.create_time())] = times.user + times.system
+                total += proc.memory_full_info().pss
         except psutil.Error:  # ended meanwhile
             pass
-    return total / 2**30
+    return total / 2**30, cpu
 
 
 class PeakMemory:
     """The peak of `tree_pss_gb()` for this process while the block runs, sampled in a thread (what a module's servers
-    and their engines took at most: the numbers the `memory_gb` marks come from)."""
+    and their engines took at most: the numbers the `memory_gb` marks come from), and the CPU seconds the tree used
+    meanwhile (`cpu_s`; a process's last seconds before it ends between two samples are not counted): on a machine whose
+    cores are busy, the time a module costs the whole run."""
 
     def __init__(self, every_s: float = 2.0):
         self.every_s, self.peak_gb = every_s, 0.0
+        self._cpu: dict[tuple[int, float], float] = {}
+        self._cpu_at_start: dict[tuple[int, float], float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-memory")
 
+    @property
+    def cpu_s(self) -> float:
+        return sum(self._used().values())
+
+    @property
+    def busy_processes(self) -> int:
+        """Processes that used 5 CPU seconds or more in the block: each interpreter that imports vLLM takes ~9.5."""
+        return sum(seconds >= 5.0 for seconds in self._used().values())
+
+    def _used(self) -> dict[tuple[int, float], float]:
+        return {key: seconds - self._cpu_at_start.get(key, 0.0) for key, seconds in self._cpu.items()}
+
+    def _take(self) -> None:
+        pss, cpu = _tree_sample()
+        self.peak_gb = max(self.peak_gb, pss)
+        self._cpu.update(cpu)
+
     def _sample(self) -> None:
         while True:
-            self.peak_gb = max(self.peak_gb, tree_pss_gb())
+            self._take()
             if self._stop.wait(self.every_s):
                 return
 
     def __enter__(self) -> PeakMemory:
+        self._cpu_at_start = _tree_sample()[1]  # the worker's own seconds before the module are not the module's
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak_gb = max(self.peak_gb, tree_pss_gb())
+        self._take()
