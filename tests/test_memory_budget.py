@@ -58,3 +58,20 @@ def test_capacity_is_the_machine_less_the_reserve_unless_set(monkeypatch):
     monkeypatch.delenv("CALM_TEST_MEMORY_GB")
     total = machine_capacity_gb(reserve_gb=0)
     assert machine_capacity_gb(reserve_gb=7) == total - 7 and total > 1
+
+
+def test_a_blocks_cpu_counts_its_children_and_not_what_came_before():
+    import time
+
+    from tests.memory_budget import PeakMemory
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\nimport time; time.sleep({hold})"
+    end = time.process_time() + 2.0
+    while time.process_time() < end:  # the worker's own CPU before the block
+        pass
+    with PeakMemory(every_s=0.1, pss_every_s=0.2) as footprint:
+        subprocess.run([sys.executable, "-c", burn.format(s=6.0, hold=0.5)], check=True)  # one busy process
+        subprocess.run([sys.executable, "-c", burn.format(s=0.5, hold=0.5)], check=True)  # one that is not
+    assert 6.0 <= footprint.cpu_s < 7.5, footprint.cpu_s  # not the 2 s before it
+    assert footprint.busy_processes == 1
+    assert footprint.peak_gb > 0.0
