@@ -31,10 +31,8 @@ from tests.servers import calm_argv, free_port, running  # noqa: E402
 MODEL = "calm-smollm2-135m"
 
 
-def busiest_child(pid: int) -> psutil.Process:
-    """The gateway's free-form engine core: after a warm-up of free-form answers, its busiest descendant."""
-    children = psutil.Process(pid).children(recursive=True)
-    return max(children, key=lambda p: sum(p.cpu_times()[:2]))
+def cpu_by_process(pid: int) -> dict[psutil.Process, float]:
+    return {p: sum(p.cpu_times()[:2]) for p in psutil.Process(pid).children(recursive=True)}
 
 
 def main() -> None:
@@ -60,9 +58,11 @@ def main() -> None:
 
     runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", logs / "free-form-batching.log") as proc:
+        before = cpu_by_process(proc.pid)
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(ask, questions[:8]))  # warm-up; also makes the free-form engine the busiest process
-        engine = busiest_child(proc.pid)
+            list(pool.map(ask, questions[:8]))  # warm-up
+        after = cpu_by_process(proc.pid)  # the free-form engine core: the process the warm-up's answers kept busy
+        engine = max(after, key=lambda p: after[p] - before.get(p, 0.0))
         offset = 8
         for _ in range(args.rounds):
             for c in args.concurrency:
