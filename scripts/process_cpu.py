@@ -19,17 +19,23 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def sample(root: psutil.Process, seen: dict) -> None:
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            with proc.oneshot():
-                times = proc.cpu_times()
-                row = seen.setdefault((proc.pid, proc.create_time()), {
-                    "command": " ".join(proc.cmdline())[:300], "started": proc.create_time()})
-                row["cpu_s"], row["last_seen"] = times.user + times.system, time.time()
-        except psutil.Error:  # ended meanwhile
-            pass
+from tests.memory_budget import tree_cpu_s  # noqa: E402
+
+
+def sample(pid: int, seen: dict) -> None:
+    """Each process's CPU so far (`tests/memory_budget.tree_cpu_s`, as the test runs' CPU table counts it), with its
+    command line the first time it is seen."""
+    for (proc_pid, started), cpu_s in tree_cpu_s(pid).items():
+        row = seen.get((proc_pid, started))
+        if row is None:
+            try:
+                command = " ".join(psutil.Process(proc_pid).cmdline()).replace("\n", " ")[:300]
+            except psutil.Error:  # ended meanwhile
+                continue
+            row = seen[(proc_pid, started)] = {"command": command, "started": started}
+        row["cpu_s"], row["last_seen"] = cpu_s, time.time()
 
 
 def main() -> int:
@@ -40,9 +46,9 @@ def main() -> int:
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     proc = subprocess.Popen(command)
-    root, seen = psutil.Process(proc.pid), {}
+    seen: dict = {}
     while proc.poll() is None:
-        sample(root, seen)
+        sample(proc.pid, seen)
         time.sleep(1.0)
     rows = sorted(seen.values(), key=lambda r: r["started"])
     t0 = rows[0]["started"] if rows else time.time()

@@ -240,23 +240,18 @@ def _times_table(top: int = 30) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _memory_table(peaks_file: Path, top: int = 15) -> str:
+def _memory_table(rows: list[dict], top: int = 15) -> str:
     """The files that took the most memory at their peak (PSS of the worker and everything it started), their marks and
     how long they waited for memory."""
-    if not peaks_file.is_file():
-        return ""
-    rows = sorted(map(json.loads, peaks_file.read_text().splitlines()), key=lambda r: -r["peak_gb"])[:top]
     lines = ["| file | peak (GB, PSS) | marked (GB) | waited (s) |", "|---|---:|---:|---:|"]
-    lines += [f"| {r['module']} | {r['peak_gb']:.1f} | {r['marked_gb'] or ''} | {r['waited_s'] or ''} |" for r in rows]
+    lines += [f"| {r['module']} | {r['peak_gb']:.1f} | {r['marked_gb'] or ''} | {r['waited_s'] or ''} |"
+              for r in sorted(rows, key=lambda r: -r["peak_gb"])[:top]]
     return "\n".join(lines) + "\n"
 
 
-def _cpu_table(peaks_file: Path, top: int = 20) -> str:
+def _cpu_table(rows: list[dict], top: int = 20) -> str:
     """The files that used the most CPU (the worker and everything it started): with both cores busy, what a file costs
     the run's wall time is its CPU seconds, not its own wall time."""
-    if not peaks_file.is_file():
-        return ""
-    rows = [r for r in map(json.loads, peaks_file.read_text().splitlines()) if "cpu_s" in r]
     total = sum(r["cpu_s"] for r in rows)
     lines = [f"CPU: {total / 60:.1f} min in all", "",
              "| file | CPU (s) | share | processes over 5 CPU s |", "|---|---:|---:|---:|"]
@@ -268,12 +263,12 @@ def _cpu_table(peaks_file: Path, top: int = 20) -> str:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _SECONDS:
         return
-    peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"
-    memory, cpu = _memory_table(peaks), _cpu_table(peaks)
-    table = _times_table() + (f"\nMemory per file (the peak PSS of the worker and everything it started; "
-                              f"tests/memory_budget.py):\n\n{memory}" if memory else "") + (
-        f"\nCPU per file (the worker and everything it started, sampled every 2 s; tests/memory_budget.py):\n\n{cpu}"
-        if cpu else "")
+    peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"  # one row per module (the fixture above)
+    rows = [json.loads(line) for line in peaks.read_text().splitlines()] if peaks.is_file() else []
+    table = _times_table() + (
+        f"\nMemory per file (the peak PSS of the worker and everything it started; tests/memory_budget.py):\n\n"
+        f"{_memory_table(rows)}\nCPU per file (the worker and everything it started, sampled every 2 s; "
+        f"tests/memory_budget.py):\n\n{_cpu_table(rows)}" if rows else "")
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
     out = os.environ.get("CALM_TEST_TIMES_OUT")  # scripts/test.sh sets it (.calm/test-times.md by default)
