@@ -4,8 +4,9 @@
 
 PopQA questions answered greedily through the gateway (at most ANSWER_TOKENS tokens, token confidence, as the
 retraining loop's traffic and labels are), `--questions` per round at each concurrency, the concurrencies interleaved
-over `--rounds` rounds. Generated tokens per second and the engine's CPU seconds per answer (its process, from
-/proc). Results: free_form_batching.json / .md in --out.
+over `--rounds` rounds; at the `--raw-at` concurrencies also with raw confidence asked for (`calm.raw_confidence`: a
+second prefill of prompt + answer per answer, off by default). Generated tokens per second and the engine's CPU
+seconds per answer (its process, from /proc). Results: free_form_batching.json / .md in --out.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--raw-at", type=int, nargs="*", default=[32], help="concurrencies also run with raw confidence")
     args = parser.parse_args()
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -49,14 +51,16 @@ def main() -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
 
-    def ask(question: str) -> int:
+    def ask(question: str, raw: bool = False) -> int:
         r = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
             "model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": ANSWER_TOKENS,
-            "temperature": 0})
+            "temperature": 0, "calm": {"raw_confidence": raw}})
         r.raise_for_status()
+        assert (r.json()["choices"][0]["calibration"]["raw_confidence"] is not None) == raw
         return r.json()["usage"]["completion_tokens"]
 
-    runs: dict[int, list[dict]] = {c: [] for c in args.concurrency}
+    variants = [(c, False) for c in args.concurrency] + [(c, True) for c in args.raw_at]
+    runs: dict[tuple[int, bool], list[dict]] = {v: [] for v in variants}
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", logs / "free-form-batching.log") as proc:
         before = cpu_by_process(proc.pid)
         with ThreadPoolExecutor(8) as pool:
@@ -65,29 +69,32 @@ def main() -> None:
         engine = max(after, key=lambda p: after[p] - before.get(p, 0.0))
         offset = 8
         for _ in range(args.rounds):
-            for c in args.concurrency:
+            for c, raw in variants:
                 batch, offset = questions[offset:offset + args.questions], offset + args.questions
                 cpu0, t0 = sum(engine.cpu_times()[:2]), time.perf_counter()
                 with ThreadPoolExecutor(c) as pool:
-                    tokens = sum(pool.map(ask, batch))
+                    tokens = sum(pool.map(lambda q: ask(q, raw), batch))
                 seconds, cpu = time.perf_counter() - t0, sum(engine.cpu_times()[:2]) - cpu0
-                runs[c].append({"seconds": seconds, "tokens": tokens, "engine_cpu_s": cpu})
-                print(f"concurrency {c}: {len(batch)} answers, {tokens} tokens in {seconds:.1f} s", flush=True)
-    rows = {c: {"tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
+                runs[c, raw].append({"seconds": seconds, "tokens": tokens, "engine_cpu_s": cpu})
+                print(f"concurrency {c}{' raw' if raw else ''}: {len(batch)} answers, {tokens} tokens in {seconds:.1f} s",
+                      flush=True)
+    rows = {v: {"tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
                 "engine_cpu_s_per_answer": statistics.median(r["engine_cpu_s"] / args.questions for r in rs),
                 "tokens_per_answer": statistics.median(r["tokens"] / args.questions for r in rs)}
-            for c, rs in runs.items()}
-    first = args.concurrency[0]
+            for v, rs in runs.items()}
+    first = variants[0]
+    name = lambda v: f"{v[0]}{' raw' if v[1] else ''}"  # noqa: E731
     (args.out / "free_form_batching.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                                  "runs": runs, "medians": rows}, indent=1))
+        "runs": {name(v): r for v, r in runs.items()}, "medians": {name(v): r for v, r in rows.items()}}, indent=1))
     lines = [f"`python benchmarks/bench_free_form_batching.py` (one run): free-form answers through the shipped gateway, "
              f"{args.questions} PopQA questions per round and client concurrency, {args.rounds} interleaved rounds, "
              f"medians; greedy, at most {ANSWER_TOKENS} tokens; the engine's CPU from its process.", "",
-             "| concurrency | tokens/s | engine CPU s per answer | tokens per answer | tokens/s vs " f"{first} |",
-             "|---:|---:|---:|---:|---:|"]
-    for c, r in rows.items():
-        lines.append(f"| {c} | {r['tokens_per_s']:.1f} | {r['engine_cpu_s_per_answer']:.2f} | "
-                     f"{r['tokens_per_answer']:.1f} | {r['tokens_per_s'] / rows[first]['tokens_per_s']:.2f} |")
+             "| concurrency | raw confidence | tokens/s | engine CPU s per answer | tokens per answer | tokens/s vs "
+             f"{first[0]} |", "|---:|---|---:|---:|---:|---:|"]
+    for (c, raw), r in rows.items():
+        lines.append(f"| {c} | {'asked' if raw else 'off (default)'} | {r['tokens_per_s']:.1f} | "
+                     f"{r['engine_cpu_s_per_answer']:.2f} | {r['tokens_per_answer']:.1f} | "
+                     f"{r['tokens_per_s'] / rows[first]['tokens_per_s']:.2f} |")
     (args.out / "free_form_batching.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -16,7 +16,7 @@ from functools import partial
 
 from calm_core.engine import EngineClient, EngineOutput
 from calm_core.prompts import PreparedPrompt
-from calm_core.scorers.base import ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob, ScoringPath
+from calm_core.scorers.base import AnswerKind, ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob, ScoringPath
 from calm_core.scorers.registry import Scorers
 from calm_core.served_answers import ServedAnswer
 from gateway.errors import APIError
@@ -158,7 +158,7 @@ class CalibratedService:
                          self.shared.guarantees.fit_for(domain))
         method, samples = self._method(req, in_force)
         scorer = self.scorers.for_prompt(prompt, method)
-        job = ScoringJob(prompt, request, self._wants_raw(req), samples)
+        job = ScoringJob(prompt, request, self._wants_raw(req, scorer.kind), samples)
         return RequestContext(req, domain, prompt, scorer, job, policy, view,
                               f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}")
 
@@ -170,10 +170,10 @@ class CalibratedService:
             policy.samples if policy else Policy.model_fields["samples"].default)
         return method, samples if method is ConfidenceMethod.SEMANTIC else 0
 
-    def _wants_raw(self, req: SamplingFields) -> bool:
+    def _wants_raw(self, req: SamplingFields, kind: AnswerKind) -> bool:
         if req.calm is not None and req.calm.raw_confidence is not None:
             return req.calm.raw_confidence
-        return self.settings.raw_confidence
+        return self.settings.free_form_raw_confidence if kind is AnswerKind.FREE_FORM else self.settings.raw_confidence
 
     # -- policy, record -----------------------------------------------------------------------------------------------
     def calibrate(self, scoring: Scoring, ctx: RequestContext) -> Served:

@@ -79,6 +79,9 @@ class GatewaySettings(BaseSettings):
     keep_alive_s: int = Field(default=75, gt=0)
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
+    # Free form only when asked: token confidence's raw number is a second prefill of prompt + answer, 1.66x the
+    # engine's CPU per answer (benchmarks/results/free_form_batching.md).
+    free_form_raw_confidence: bool = False
     # Cloze heads whose shifts are one constant are folded into a copy of the weights (in-process), so each option is
     # one request scored from prompt log-probs; false keeps one request per option token through the logits processor.
     one_pass_scoring: bool = True

@@ -628,6 +628,35 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
         assert not engine.requests[0].free_form and not engine.requests[0].calibrated and not engine.requests[0].adapter
 
 
+def test_free_form_raw_confidence_is_asked_for_and_multiple_choice_raw_is_on_by_default(tmp_path):
+    """Free-form raw confidence costs a second prefill (prompt + answer), so it is computed only when asked
+    (`calm.raw_confidence` or CALM_FREE_FORM_RAW_CONFIDENCE); multiple choice keeps CALM_RAW_CONFIDENCE (on)."""
+    from fastapi.testclient import TestClient
+
+    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    manifest = ArtifactManifest.model_construct(
+        reference_histograms={}, answer_format="letter", applies_to="multiple_choice", has_adapter=True,
+        artifact_version="test-v1", free_form_version="ff-v1")
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    free = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
+    for settings, calm, raw_pass in (({}, None, False), ({}, True, True), ({"free_form_raw_confidence": True}, None, True),
+                                     ({"free_form_raw_confidence": True}, False, False), ({"raw_confidence": False}, True, True)):
+        engine = FreeFormModeEngine()
+        app = create_app(GatewaySettings(db_path=tmp_path / f"g{len(list(tmp_path.iterdir()))}.db", served_model_name="m",
+                                         **settings), engine, _tiny_tokenizer(), artifact)
+        body = {**free, "calm": {"raw_confidence": calm}} if calm is not None else free
+        with TestClient(app) as client:
+            r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        cal = r.json()["choices"][0]["calibration"]
+        assert (len(engine.requests), cal["raw_confidence"] is not None) == (1 + raw_pass, raw_pass), (settings, calm)
+    assert GatewaySettings.model_fields["raw_confidence"].default is True  # multiple choice: on unless turned off
+
+
 def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_of_a_failed_one():
     """Callers arriving while a transaction runs share the next one; each returns only once its rows are written; a
     failed write raises in every caller of its batch; a caller that gives up does not cancel the others' write."""

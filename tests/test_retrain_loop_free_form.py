@@ -96,7 +96,7 @@ def answer(gateway: str, question: str, version: str | None = None) -> dict:
 
 
 def answer_all(gateway: str, questions: list[OpenQuestion], version: str | None = None) -> list[dict]:
-    # 32 at a time: larger decode batches, 1.43x the tokens/s of 8 at two thirds of the engine's CPU per answer on the
+    # 32 at a time: larger decode batches, 1.70x the tokens/s of 8 at 0.59x the engine's CPU per answer on the
     # 2-core machine (benchmarks/results/free_form_batching.md); generation is most of this test's CPU.
     with ThreadPoolExecutor(32) as pool:
         return list(pool.map(lambda q: answer(gateway, q.question, version), questions))

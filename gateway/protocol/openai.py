@@ -35,7 +35,9 @@ class CalmOptions(BaseModel):
 
     threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)  # stricter than the policy's, never looser
     domain: StrictStr | None = None
-    raw_confidence: StrictBool | None = None  # also the raw model's number (semantic: the unmapped agreeing share)
+    # Also the raw model's number (semantic: the unmapped agreeing share); default: CALM_RAW_CONFIDENCE for multiple
+    # choice (on), CALM_FREE_FORM_RAW_CONFIDENCE for free form (off).
+    raw_confidence: StrictBool | None = None
     confidence: Literal["token", "semantic"] | None = None  # free form; default: the domain's policy, else token
     samples: StrictInt | None = Field(default=None, ge=2, le=MAX_SAMPLES)  # semantic: answers sampled per request
     # Served by this artifact version instead of the domain's (one this gateway serves: canaries, reproducing an answer);
