@@ -31,10 +31,12 @@ def sample(pid: int, seen: dict) -> None:
         row = seen.get((proc_pid, started))
         if row is None:
             try:
-                command = " ".join(psutil.Process(proc_pid).cmdline()).replace("\n", " ")[:300]
+                proc = psutil.Process(proc_pid)
+                command, parent = " ".join(proc.cmdline()).replace("\n", " ")[:300], proc.ppid()
             except psutil.Error:  # ended meanwhile
                 continue
-            row = seen[(proc_pid, started)] = {"command": command, "started": started}
+            row = seen[(proc_pid, started)] = {"command": command, "started": started, "pid": proc_pid,
+                                               "ppid": parent}
         row["cpu_s"], row["last_seen"] = cpu_s, time.time()
 
 
