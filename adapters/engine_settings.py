@@ -34,6 +34,7 @@ class EngineOverrides:
     kv_cache_mb: int | None = None  # a fixed KV cache (CPU's way); on CUDA it replaces gpu_memory_utilization
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
+    block_size: int | None = None  # tokens per KV-cache block, the prefix cache's unit
     adapter_mode: AdapterMode | None = None
     executor: Executor | None = None
     engine_start: EngineStart | None = None
@@ -49,6 +50,7 @@ class EngineSettings:
     kv_cache_bytes: int | None  # None: gpu_memory_utilization sizes the cache
     gpu_memory_utilization: float | None
     enable_prefix_caching: bool | None  # None: vLLM's own default for the platform
+    block_size: int | None  # None: vLLM's own default for the platform
     adapter_mode: AdapterMode
     executor: Executor | None  # None: vLLM's own choice ("uni" for one GPU)
     # How an in-process engine's core process starts: forked from a server that imported vLLM once
@@ -65,6 +67,8 @@ class EngineSettings:
             kwargs["distributed_executor_backend"] = self.executor
         if self.enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.block_size is not None:
+            kwargs["block_size"] = self.block_size
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_bytes
         else:
@@ -80,6 +84,8 @@ class EngineSettings:
             args += ["--distributed-executor-backend", self.executor]
         if self.enable_prefix_caching is not None:
             args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.block_size is not None:
+            args += ["--block-size", str(self.block_size)]
         if self.kv_cache_bytes is not None:
             args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         else:
@@ -92,10 +98,10 @@ class EngineSettings:
 
 
 CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, kv_cache_mb=512, gpu_memory_utilization=None,
-                    enable_prefix_caching=None, adapter_mode="merged", executor="uni",
+                    enable_prefix_caching=None, block_size=None, adapter_mode="merged", executor="uni",
                     engine_start="forkserver")
 CUDA_DEFAULTS = dict(dtype="bfloat16", enforce_eager=False, kv_cache_mb=None, gpu_memory_utilization=0.9,
-                     enable_prefix_caching=True, adapter_mode="lora", executor=None,
+                     enable_prefix_caching=True, block_size=None, adapter_mode="lora", executor=None,
                      engine_start="spawn")
 
 
@@ -123,7 +129,8 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
         device=device, dtype=pick("dtype"), enforce_eager=pick("enforce_eager"),
         kv_cache_bytes=kv_mb * 1024**2 if kv_mb is not None else None,
         gpu_memory_utilization=gpu_share if kv_mb is None else None,
-        enable_prefix_caching=pick("enable_prefix_caching"), adapter_mode=pick("adapter_mode"),
+        enable_prefix_caching=pick("enable_prefix_caching"), block_size=pick("block_size"),
+        adapter_mode=pick("adapter_mode"),
         executor=pick("executor"), engine_start=pick("engine_start"),
     )
 

@@ -44,6 +44,7 @@ class GatewaySettings(BaseSettings):
     kv_cache_mb: int | None = Field(default=None, gt=0)  # CPU 512; on CUDA a fixed size replaces the GPU share
     gpu_memory_utilization: float | None = None  # CUDA 0.9
     enable_prefix_caching: bool | None = None  # CUDA true; CPU vLLM's default
+    block_size: int | None = Field(default=None, gt=0)  # KV-cache block (the prefix cache's unit): vLLM's default
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
     engine_start: Literal["forkserver", "spawn"] | None = None  # CPU "forkserver" (engine cores forked), CUDA "spawn"
@@ -103,7 +104,8 @@ class GatewaySettings(BaseSettings):
     def engine_overrides(self) -> EngineOverrides:
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,
                                kv_cache_mb=self.kv_cache_mb, gpu_memory_utilization=self.gpu_memory_utilization,
-                               enable_prefix_caching=self.enable_prefix_caching, adapter_mode=self.adapter_mode,
+                               enable_prefix_caching=self.enable_prefix_caching, block_size=self.block_size,
+                               adapter_mode=self.adapter_mode,
                                executor=self.executor, engine_start=self.engine_start)
 
     @model_validator(mode="after")

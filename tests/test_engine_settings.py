@@ -46,6 +46,10 @@ def test_explicit_values_win_over_the_device():
     assert resolve(EngineOverrides(gpu_memory_utilization=0.5), detected="cuda").gpu_memory_utilization == 0.5
     mp = resolve(EngineOverrides(executor="mp"), detected="cpu")
     assert mp.vllm_kwargs()["distributed_executor_backend"] == "mp" and mp.env() == {}
+    blocks = resolve(EngineOverrides(block_size=32), detected="cpu")  # unset: vLLM's own (128 on CPU, 16 on CUDA)
+    assert blocks.vllm_kwargs()["block_size"] == 32
+    assert "--block-size 32" in " ".join(blocks.server_args())
+    assert resolve(EngineOverrides(), detected="cpu").block_size is None
 
 
 @pytest.mark.parametrize("overrides, detected, needle", [
