@@ -18,8 +18,8 @@ async def score_labelled(service: CalibratedService, domain: str,
     """Score labelled questions as served answers (greedy, calibrated, no raw pass) and store each one's confidence
     and verdict as a label of the domain; neither metrics nor drift windows see them. Multiple choice: right when the
     chosen option is the answer; free form: when the greedy answer (at most ANSWER_TOKENS tokens, as `calm eval`
-    judges it) matches an alias. 32 at a time: free-form answers in batches of 32 cost the engine two thirds of the
-    CPU of batches of 8 (benchmarks/results/free_form_batching.md); live requests share those batches meanwhile."""
+    judges it) matches an alias. 32 at a time: free-form answers in batches of 32 cost the engine 0.59x the CPU of
+    batches of 8 (benchmarks/results/free_form_batching.md); live requests share those batches meanwhile."""
     limit = asyncio.Semaphore(concurrency)
     store = service.shared.store
 

@@ -254,7 +254,7 @@ def _cpu_table(rows: list[dict], top: int = 20) -> str:
     the run's wall time is its CPU seconds, not its own wall time."""
     total = sum(r["cpu_s"] for r in rows)
     lines = [f"CPU: {total / 60:.1f} min in all", "",
-             "| file | CPU (s) | share | processes over 5 CPU s |", "|---|---:|---:|---:|"]
+             f"| file | CPU (s) | share | processes over {PeakMemory.BUSY_S:g} CPU s |", "|---|---:|---:|---:|"]
     lines += [f"| {r['module']} | {r['cpu_s']:.0f} | {r['cpu_s'] / max(total, 1e-9):.1%} | {r['busy_processes']} |"
               for r in sorted(rows, key=lambda r: -r["cpu_s"])[:top]]
     return "\n".join(lines) + "\n"

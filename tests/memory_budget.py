@@ -121,7 +121,9 @@ class PeakMemory:
     before it ends between two samples are not counted): on a machine whose cores are busy, the time a module costs the
     whole run. PSS every 2 s cost the worker 6-12 % of a core beside a gateway stack (`tree_pss_gb`)."""
 
-    def __init__(self, every_s: float = 2.0, pss_every_s: float = 10.0, busy_s: float = 5.0):
+    BUSY_S = 5.0  # a process this busy counts in `busy_processes` (each interpreter that imports vLLM takes ~9.5)
+
+    def __init__(self, every_s: float = 2.0, pss_every_s: float = 10.0, busy_s: float = BUSY_S):
         self.every_s, self.pss_every_s, self.busy_s, self.peak_gb = every_s, pss_every_s, busy_s, 0.0
         self._cpu: dict[tuple[int, float], float] = {}
         self._cpu_at_start: dict[tuple[int, float], float] = {}
@@ -134,8 +136,7 @@ class PeakMemory:
 
     @property
     def busy_processes(self) -> int:
-        """Processes that used `busy_s` CPU seconds or more in the block (5: each interpreter that imports vLLM takes
-        ~9.5)."""
+        """Processes that used `busy_s` CPU seconds or more in the block."""
         return sum(seconds >= self.busy_s for seconds in self._used().values())
 
     def _used(self) -> dict[tuple[int, float], float]:
