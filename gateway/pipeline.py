@@ -113,7 +113,7 @@ class CalibratedService:
         """How each kind of answer is scored, for /health."""
         if self.planner.free_form_mode:
             free = (f"free-form mode {self.artifact.free_form_version}: its adapter merged, its α head in the logits "
-                    "processor; raw confidence from the same weights' prompt log-probs of the answer")
+                    "processor; raw confidence (when asked) from the same weights' prompt log-probs of the answer")
         elif self.artifact.multiple_choice_only:
             free = "base weights, no α head"
         else:
