@@ -307,15 +307,14 @@ def test_a_failing_stream_ends_with_an_error_event_and_done_and_is_counted(tmp_p
 
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     tokenizer = _tiny_tokenizer()
     manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
                                                 has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     settings = GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m")
     app = create_app(settings, FailingEngine(exc), tokenizer, artifact)
     with TestClient(app) as client:
@@ -331,6 +330,15 @@ def test_a_failing_stream_ends_with_an_error_event_and_done_and_is_counted(tmp_p
     assert (error["code"], error["type"]) == (status, kind)
     assert f'calm_errors_total{{domain="other",endpoint="chat",type="{kind}"}} 1.0' in metrics
     assert f'calm_requests_total{{domain="other",endpoint="chat",status="{status}"}} 1.0' in metrics
+
+
+def _stub_artifact(manifest):
+    """A LoadedArtifact that is only its manifest: what the gateway reads of an artifact in these tests."""
+    from calm_core.artifact import LoadedArtifact
+
+    artifact = LoadedArtifact.__new__(LoadedArtifact)
+    object.__setattr__(artifact, "manifest", manifest)
+    return artifact
 
 
 def _tiny_tokenizer():
@@ -351,7 +359,7 @@ def test_guaranteed_risk_policy_falls_back_until_enough_verdicts_then_guarantees
     verdicts exist, then the Learn-then-Test threshold; the fit is audited and exported as metrics."""
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact, ReferenceHistogram
+    from calm_core.artifact import ArtifactManifest, ReferenceHistogram
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
@@ -359,8 +367,7 @@ def test_guaranteed_risk_policy_falls_back_until_enough_verdicts_then_guarantees
     manifest = ArtifactManifest.model_construct(
         reference_histograms={"science": ReferenceHistogram(bin_edges=edges, counts=[0] * 9 + [10])},
         answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), FailingEngine(None),
                      _tiny_tokenizer(), artifact)
     admin = {"Authorization": "Bearer dev-admin-key"}
@@ -406,7 +413,7 @@ class LetterEngine(FailingEngine):
 
 def science_app(tmp_path, engine):
     """The app on a scripted engine, serving an artifact whose one reference domain is "science"."""
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact, ReferenceHistogram
+    from calm_core.artifact import ArtifactManifest, ReferenceHistogram
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
@@ -414,8 +421,7 @@ def science_app(tmp_path, engine):
     manifest = ArtifactManifest.model_construct(
         reference_histograms={"science": ReferenceHistogram(bin_edges=edges, counts=[0] * 6 + [10, 0, 0, 0])},
         answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(),
                       artifact)
 
@@ -469,14 +475,13 @@ class SamplingEngine(FailingEngine):
 def test_semantic_confidence_keeps_the_token_answer_and_is_the_share_of_raw_samples_that_agree(tmp_path):
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
                                                 has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     engine = SamplingEngine()
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
@@ -508,14 +513,13 @@ def test_semantic_confidence_keeps_the_token_answer_and_is_the_share_of_raw_samp
 def test_calibration_travels_in_headers_for_clients_behind_proxies(tmp_path):
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
                                                 has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), SamplingEngine(),
                      _tiny_tokenizer(), artifact)
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}],
@@ -536,14 +540,13 @@ def test_calibration_travels_in_headers_for_clients_behind_proxies(tmp_path):
 def test_openapi_documents_error_statuses_and_405_names_allowed_methods(tmp_path):
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
                                                 has_adapter=False, artifact_version="test-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), FailingEngine(None),
                      _tiny_tokenizer(), artifact)
     with TestClient(app) as client:
@@ -589,15 +592,14 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
     head; multiple-choice requests keep the multiple-choice weights."""
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     manifest = ArtifactManifest.model_construct(
         reference_histograms={}, answer_format="letter", applies_to="multiple_choice", has_adapter=True,
         artifact_version="test-v1", free_form_version="ff-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     engine = FreeFormModeEngine()
     app = create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(), artifact)
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}],
@@ -633,21 +635,21 @@ def test_free_form_raw_confidence_is_asked_for_and_multiple_choice_raw_is_on_by_
     (`calm.raw_confidence` or CALM_FREE_FORM_RAW_CONFIDENCE); multiple choice keeps CALM_RAW_CONFIDENCE (on)."""
     from fastapi.testclient import TestClient
 
-    from calm_core.artifact import ArtifactManifest, LoadedArtifact
+    from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings
 
     manifest = ArtifactManifest.model_construct(
         reference_histograms={}, answer_format="letter", applies_to="multiple_choice", has_adapter=True,
         artifact_version="test-v1", free_form_version="ff-v1")
-    artifact = LoadedArtifact.__new__(LoadedArtifact)
-    object.__setattr__(artifact, "manifest", manifest)
+    artifact = _stub_artifact(manifest)
     free = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}
-    for settings, calm, raw_pass in (({}, None, False), ({}, True, True), ({"free_form_raw_confidence": True}, None, True),
-                                     ({"free_form_raw_confidence": True}, False, False), ({"raw_confidence": False}, True, True)):
+    cases = (({}, None, False), ({}, True, True), ({"free_form_raw_confidence": True}, None, True),
+             ({"free_form_raw_confidence": True}, False, False), ({"raw_confidence": False}, True, True))
+    for i, (settings, calm, raw_pass) in enumerate(cases):
         engine = FreeFormModeEngine()
-        app = create_app(GatewaySettings(db_path=tmp_path / f"g{len(list(tmp_path.iterdir()))}.db", served_model_name="m",
-                                         **settings), engine, _tiny_tokenizer(), artifact)
+        app = create_app(GatewaySettings(db_path=tmp_path / f"g{i}.db", served_model_name="m", **settings), engine,
+                         _tiny_tokenizer(), artifact)
         body = {**free, "calm": {"raw_confidence": calm}} if calm is not None else free
         with TestClient(app) as client:
             r = client.post("/v1/chat/completions", json=body)
