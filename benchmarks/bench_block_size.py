@@ -27,10 +27,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_long_mc import cloze_prompt_tokens  # noqa: E402
 from benchmarks.bench_one_pass import MODEL, ask_all, percentile  # noqa: E402
 from calm_core.answers import ANSWER_TOKENS  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
-from calm_core.prompts import cloze_prompt  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 CONCURRENCY = 8
@@ -53,14 +53,6 @@ async def answer_all(url: str, questions: list[str], concurrency: int) -> tuple[
         return tokens, time.perf_counter() - start
 
 
-def prompt_sizes(questions) -> list[int]:
-    from calm_core.models import resolve_model
-    from training.scoring import load_tokenizer
-
-    tokenizer = load_tokenizer(resolve_model(None, "float32").path)
-    return [len(tokenizer(cloze_prompt(q.question), add_special_tokens=False)["input_ids"]) for q in questions]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -75,12 +67,13 @@ def main() -> None:
     rounds_mc = [[q for s in sets for q in s[r * args.per_set:(r + 1) * args.per_set]] for r in range(args.rounds)]
     popqa = [q.question for q in load_open("popqa", "test")]
     rounds_ff = [popqa[r * args.free_form:(r + 1) * args.free_form] for r in range(args.rounds)]
-    sizes = prompt_sizes([q for r in rounds_mc for q in r])
+    sizes = cloze_prompt_tokens([q for r in rounds_mc for q in r])
     body = lambda q: {"model": MODEL, "messages": [{"role": "user", "content": q.question}],  # noqa: E731
                       "options": list(q.choices), "calm": {"raw_confidence": False}}
     runs = {b: {"mc": [], "ff": [], "latencies": [], "probs": []} for b in BLOCKS}
-    with running(*gateway(BLOCKS[0], logs)) as _, running(*gateway(BLOCKS[1], logs)) as _:
-        urls = {b: f"http://127.0.0.1:{gateway.ports[b]}" for b in BLOCKS}
+    ports = {b: free_port() for b in BLOCKS}
+    urls = {b: f"http://127.0.0.1:{ports[b]}" for b in BLOCKS}
+    with running(*gateway(BLOCKS[0], ports[BLOCKS[0]], logs)), running(*gateway(BLOCKS[1], ports[BLOCKS[1]], logs)):
         for b in BLOCKS:
             health = httpx.get(f"{urls[b]}/health").json()
             assert health["engine"]["block_size"] == b, health["engine"]
@@ -113,14 +106,10 @@ def main() -> None:
     print(markdown(results))
 
 
-def gateway(block: int, logs: Path) -> tuple:
-    """`running` arguments for a shipped gateway with this block size (its port kept in gateway.ports)."""
-    port = gateway.ports[block] = free_port()
+def gateway(block: int, port: int, logs: Path) -> tuple:
+    """`running` arguments for a shipped gateway with this block size on this port."""
     env = {"CALM_DB_PATH": str(logs / f"block-{block}.sqlite3"), "CALM_BLOCK_SIZE": str(block)}
     return calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", logs / f"block-{block}.log", env
-
-
-gateway.ports = {}
 
 
 def markdown(r: dict) -> str:

@@ -32,6 +32,11 @@ from tests.servers import calm_argv, free_port, running  # noqa: E402
 MODEL = "calm-smollm2-135m"
 
 
+def variant_name(variant: tuple[int, bool]) -> str:
+    concurrency, raw = variant
+    return f"{concurrency}{' raw' if raw else ''}"
+
+
 def cpu_by_process(pid: int) -> dict[psutil.Process, float]:
     return {p: sum(p.cpu_times()[:2]) for p in psutil.Process(pid).children(recursive=True)}
 
@@ -76,16 +81,15 @@ def main() -> None:
                     tokens = sum(pool.map(lambda q: ask(q, raw), batch))
                 seconds, cpu = time.perf_counter() - t0, sum(engine.cpu_times()[:2]) - cpu0
                 runs[c, raw].append({"seconds": seconds, "tokens": tokens, "engine_cpu_s": cpu})
-                print(f"concurrency {c}{' raw' if raw else ''}: {len(batch)} answers, {tokens} tokens in {seconds:.1f} s",
+                print(f"concurrency {variant_name((c, raw))}: {len(batch)} answers, {tokens} tokens in {seconds:.1f} s",
                       flush=True)
     rows = {v: {"tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in rs),
                 "engine_cpu_s_per_answer": statistics.median(r["engine_cpu_s"] / args.questions for r in rs),
                 "tokens_per_answer": statistics.median(r["tokens"] / args.questions for r in rs)}
             for v, rs in runs.items()}
     first = variants[0]
-    name = lambda v: f"{v[0]}{' raw' if v[1] else ''}"  # noqa: E731
     (args.out / "free_form_batching.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-        "runs": {name(v): r for v, r in runs.items()}, "medians": {name(v): r for v, r in rows.items()}}, indent=1))
+        "runs": {variant_name(v): r for v, r in runs.items()}, "medians": {variant_name(v): r for v, r in rows.items()}}, indent=1))
     lines = [f"`python benchmarks/bench_free_form_batching.py` (one run): free-form answers through the shipped gateway, "
              f"{args.questions} PopQA questions per round and client concurrency, {args.rounds} interleaved rounds, "
              f"medians; greedy, at most {ANSWER_TOKENS} tokens; the engine's CPU from its process.", "",

@@ -34,14 +34,18 @@ CONCURRENCY = 8
 MIN_TOKENS = 250
 
 
-def long_questions(n: int):
+def cloze_prompt_tokens(questions) -> list[int]:
+    """Each question's cloze prompt (`Question: …\\nAnswer:`) in the embedded model's tokens."""
     from calm_core.models import resolve_model
     from training.scoring import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(None, "float32").path)
+    return [len(tokenizer(cloze_prompt(q.question), add_special_tokens=False)["input_ids"]) for q in questions]
+
+
+def long_questions(n: int):
     four = [q for q in load_mc("mmlu", "test") if len(q.choices) == 4]
-    sized = sorted(((len(tokenizer(cloze_prompt(q.question), add_special_tokens=False)["input_ids"]), q) for q in four),
-                   key=lambda pair: -pair[0])
+    sized = sorted(zip(cloze_prompt_tokens(four), four), key=lambda pair: -pair[0])
     chosen = [(size, q) for size, q in sized if size >= MIN_TOKENS][:n]
     if len(chosen) < n:
         raise SystemExit(f"only {len(chosen)} MMLU questions have {MIN_TOKENS}+ prompt tokens")
