@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from adapters.engine_settings import SINGLE_PROCESS_ENV
 from tests.servers import background, calm_argv, free_port, wait_until
 
 MODEL = "calm-smollm2-135m"
@@ -33,6 +34,13 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
             "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4", "--seed", "0",
             "--middleware", "adapters.vllm_warm.ServedVersionsFirst",
             "--host", "127.0.0.1", "--port", str(port)]
+
+
+# The engines' environment besides the registry's: run-time LoRA loading, and vLLM's single-process switch, without
+# which its CPU platform replaces `--distributed-executor-backend uni` by "mp": a worker process per engine whose
+# engine core busy-polls it, twice the CPU per token (benchmarks/results/stock_engine.md). docker-compose.yml's engines
+# carry the same (tests/test_deploy.py).
+ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **SINGLE_PROCESS_ENV}
 
 
 def healthy(url: str) -> bool:
@@ -76,7 +84,7 @@ class Fleet:
                 **self.store_env}
 
     def start_engine(self, i: int, log: str | None = None) -> None:
-        env = {**self.registry_env(f"engine{i}"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**self.registry_env(f"engine{i}"), **ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
         self.procs[f"engine{i}"] = self.stack.enter_context(background(
             engine_argv(self.model_dir, self.engine_ports[i]), self.tmp / (log or f"engine{i}.log"), env))
 
