@@ -23,8 +23,10 @@ from tests.fleet import MODEL, Fleet
 from tests.hf_reference import cloze_option_probs, greedy_free_form
 from tests.servers import wait_until
 
-# memory_gb: the peak PSS of two engine servers, two gateways, HAProxy, PostgreSQL, S3: 8.4-9.0 GB measured (tests/memory_budget.py).
-pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(9.5)]
+# memory_gb: the peak PSS of two engine servers, two gateways, HAProxy, PostgreSQL, S3 (tests/memory_budget.py): 8.4-9.0
+# GB measured while each engine ran a worker process of its own, 7.7 since (one process each, tests/fleet.py's
+# ENGINE_ENV); 8.5 lets it run beside either loop test.
+pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(8.5)]
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
 QUESTION, OPTIONS = "Which planet is largest?", ["Mars", "Jupiter", "Venus", "Mercury"]
 FREE = "What is the capital of France?"
