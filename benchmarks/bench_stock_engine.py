@@ -32,6 +32,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_engine_start import tree_cpu_s  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402
 from tests.fleet import ENGINE_ENV, MODEL, engine_argv  # noqa: E402
@@ -42,11 +43,6 @@ OUT = REPO / "benchmarks" / "results" / "stock_engine"
 # vLLM's CPU default, then the fleet's: the only difference is the single-process switch.
 WAYS = {"mp": {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "uni": ENGINE_ENV}
 FREE_TOKENS = 32
-
-
-def tree_cpu_s(pid: int) -> float:
-    root = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
 
 
 def free_form(base: str, question: str) -> list[tuple[str, float]]:

@@ -37,7 +37,7 @@ def sample(pid: int, seen: dict) -> None:
                 continue
             row = seen[(proc_pid, started)] = {"command": command, "started": started, "pid": proc_pid,
                                                "ppid": parent}
-        row["cpu_s"], row["last_seen"] = cpu_s, time.time()
+        row["cpu_s"], row["last_seen"] = cpu_s, time.clock_gettime(time.CLOCK_BOOTTIME)  # the clock of `started`
 
 
 def main() -> int:
@@ -53,7 +53,7 @@ def main() -> int:
         sample(proc.pid, seen)
         time.sleep(1.0)
     rows = sorted(seen.values(), key=lambda r: r["started"])
-    t0 = rows[0]["started"] if rows else time.time()
+    t0 = rows[0]["started"] if rows else 0.0
     print(f"\n{sum(r['cpu_s'] for r in rows):.0f} CPU s in {len(rows)} processes; exit {proc.returncode}")
     print("| started (s) | lived (s) | CPU (s) | command |\n|---:|---:|---:|---|")
     for r in rows:

@@ -76,3 +76,20 @@ def test_a_blocks_cpu_counts_its_children_and_not_what_came_before():
     assert 1.8 <= footprint.cpu_s < 4.5, footprint.cpu_s
     assert footprint.busy_processes == 1
     assert footprint.peak_gb > 0.0
+
+
+def test_a_process_keeps_its_key_when_the_wall_clock_moves_the_boot_time(monkeypatch):
+    """The wall clock's idea of the boot time moves while the clock is adjusted; a process sampled before and after
+    is still one process (psutil's create_time() changed with it, and long-lived processes were counted again whole)."""
+    import os
+
+    import psutil
+    import psutil._pslinux
+
+    from tests.memory_budget import tree_cpu_s
+
+    before = {key for key in tree_cpu_s() if key[0] == os.getpid()}
+    boot_time = psutil._pslinux.boot_time
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: boot_time() + 1.0)
+    after = {key for key in tree_cpu_s() if key[0] == os.getpid()}
+    assert len(before) == 1 and after == before
