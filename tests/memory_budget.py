@@ -100,25 +100,26 @@ def tree_pss_gb(pid: int | None = None) -> float:
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def started_s(pid: int) -> float:
-    """Seconds from boot to the process's start (/proc/PID/stat's starttime; compare
-    time.clock_gettime(time.CLOCK_BOOTTIME)). Not psutil's create_time(): that adds the boot time as the wall clock
-    puts it at the call, which moves by a second now and then while the clock is adjusted, and then a process is a
-    new one to every later sample: fresh-clone runs of d01f3a1 counted 59.7 CPU minutes in 21 minutes on 2 cores."""
-    stat = Path(f"/proc/{pid}/stat").read_bytes()
-    return int(stat.rsplit(b")", 1)[1].split()[19]) / _CLOCK_TICKS  # field 22, counting from the pid
+def start_and_cpu_s(pid: int) -> tuple[float, float]:
+    """From one read of /proc/PID/stat: seconds from boot to the process's start (starttime; compare
+    time.clock_gettime(time.CLOCK_BOOTTIME)) and the CPU seconds it has used (utime + stime, as psutil's cpu_times()).
+    The start, not psutil's create_time(): that adds the boot time as the wall clock puts it at the call, which moves by
+    a second now and then while the clock is adjusted, and then a process is a new one to every later sample:
+    fresh-clone runs of d01f3a1 counted 59.7 CPU minutes in 21 minutes on 2 cores."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()  # fields[0] is field 3, the state
+    return int(fields[19]) / _CLOCK_TICKS, (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def tree_cpu_s(pid: int | None = None) -> dict[tuple[int, float], float]:
-    """CPU seconds used so far by each process of the tree, keyed by pid and start (`started_s`; cheap: two stat files
-    each)."""
+    """CPU seconds used so far by each process of the tree, keyed by pid and start (`start_and_cpu_s`; cheap: one stat
+    file each)."""
     cpu = {}
     for proc in _tree(pid):
         try:
-            times = proc.cpu_times()
-            cpu[(proc.pid, started_s(proc.pid))] = times.user + times.system
-        except (psutil.Error, OSError):  # ended meanwhile
-            pass
+            started, used = start_and_cpu_s(proc.pid)
+        except OSError:  # ended meanwhile
+            continue
+        cpu[(proc.pid, started)] = used
     return cpu
 
 
