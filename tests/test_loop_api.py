@@ -215,6 +215,41 @@ def test_alertmanager_webhook_queues_one_job_per_drifting_domain(tmp_path):
     assert len(JobQueue(Database(settings.database)).list()) == 3
 
 
+def test_a_drift_alert_about_a_version_the_domain_is_no_longer_routed_to_queues_no_job(tmp_path):
+    """The shipped rule labels a drift alert with the version whose window it measured. A promotion reaches the
+    registry before the replicas serve it; if the alert resolves meanwhile (a failed scrape drops its series) and fires
+    again, that new episode is about the parent and must not retrain the candidate (seen once in the suite)."""
+    # No loader: this replica never serves v2, as one still starting it would not (deterministically).
+    app, _, settings = make_app(tmp_path, with_loader=False)
+    registry = Registry(Database(settings.database), settings.registry_root)
+    registry.add(artifact_copy(tmp_path, "v2"), trigger="alert", domain="science")
+
+    def payload(version: str | None, starts: str) -> dict:
+        firing = alert("science")
+        labels = {**firing["labels"], **({"version": version} if version else {})}
+        return {"version": "4", "status": "firing", "receiver": "calm",
+                "alerts": [{**firing, "labels": labels, "startsAt": starts}]}
+
+    with TestClient(app) as client:
+        first = client.post("/admin/alerts", json=payload("v1", "2026-12-03T17:37:08Z"), headers=ADMIN).json()
+        assert [(j["domain"], j["created"]) for j in first["jobs"]] == [("science", True)] and first["ignored"] == []
+        app.state.gateway.jobs.finish(first["jobs"][0]["id"], "promoted")
+        registry.promote("v2", "science", actor="worker")
+        assert wait_for(lambda: "v2" in app.state.gateway.deployments.problems)  # polled: not loaded here
+        assert app.state.gateway.deployments.version_for("science") == "v1"
+        again = client.post("/admin/alerts", json=payload("v1", "2026-12-03T17:39:24Z"), headers=ADMIN).json()
+        assert again["jobs"] == [] and [(i["domain"], i["version"]) for i in again["ignored"]] == [("science", "v1")]
+        assert "now routed to v2" in again["ignored"][0]["reason"]
+        # The candidate's own window drifting is a new alert: it queues a job, as does an alert without the label (an
+        # operator's own rule).
+        fresh = client.post("/admin/alerts", json=payload("v2", "2026-12-03T18:00:00Z"), headers=ADMIN).json()
+        assert [j["created"] for j in fresh["jobs"]] == [True] and fresh["ignored"] == []
+        app.state.gateway.jobs.finish(fresh["jobs"][0]["id"], "failed")
+        unlabelled = client.post("/admin/alerts", json=payload(None, "2026-12-03T19:00:00Z"), headers=ADMIN).json()
+        assert [j["created"] for j in unlabelled["jobs"]] == [True]
+    assert len(JobQueue(Database(settings.database)).list("science")) == 3
+
+
 def test_capture_is_off_by_default_and_keeps_only_what_the_domain_opted_into(tmp_path):
     app, _, settings = make_app(tmp_path)
     capture = Capture(Database(settings.database))

@@ -131,6 +131,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert job["trigger"] == "alert" and job["detail"]["alertname"] == "CalmConfidenceDrift"
     fired = drift_alerts(prometheus, "science")
     assert fired and fired[0]["state"] == "firing"
+    assert fired[0]["labels"]["version"] == before_version  # the version whose window it measured (the webhook reads it)
     assert drift_alerts(prometheus, "medicine") == []  # domains without shifted traffic stay quiet
 
     done = wait_until("the job to finish", lambda: next(

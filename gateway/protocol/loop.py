@@ -33,6 +33,7 @@ class AlertmanagerPayload(BaseModel):
 
 class AlertsAccepted(BaseModel):
     jobs: list[dict]  # {id, domain, status, created}: created false when the domain's open job was reused
+    ignored: list[dict] = []  # {domain, version, reason}: alerts about a version the domain is no longer routed to
 
 
 class JobCreate(BaseModel):
