@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,14 +44,36 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     stage(f"merging version {artifact.manifest.artifact_version}'s adapter into a copy of the weights (once)")
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
     with atomic_dir(target, keep_existing=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
+        copy_tokenizer(base_model_path, tmp)
     return target
+
+
+# A tokenizer's files as transformers saves them (the fast tokenizer, its config, a slow tokenizer's vocabularies, the
+# chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def copy_tokenizer(base_model_path: str | Path, out: Path) -> None:
+    """The base model's tokenizer beside a copy of its weights, file by file. Not loaded and saved again: a load holds
+    the GIL for most of a second (the Rust tokenizer is built under it), which stalled a serving gateway's event loop
+    while it prepared a promoted version (benchmarks/bench_hot_swap.py); the saved files were byte-identical anyway.
+    A model whose tokenizer has none of these files is loaded and saved as before."""
+    found = [Path(base_model_path) / name for name in TOKENIZER_FILES if (Path(base_model_path) / name).is_file()]
+    if not any(f.name in ("tokenizer.json", "tokenizer_config.json") for f in found):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(out)
+        return
+    for source in found:
+        shutil.copy2(source, out / source.name)
 
 
 def foldable(head: AlphaHead) -> bool:
@@ -66,7 +89,7 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     if (target / "config.json").is_file():
         return target
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     source = merged_model_dir(base_model_path, artifact, home)
     stage(f"folding version {artifact.manifest.artifact_version}'s head into the LM head for one-pass scoring (once)")
@@ -81,5 +104,5 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
         model.lm_head.weight = torch.nn.Parameter(weight)
     with atomic_dir(target, keep_existing=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(base_model_path).save_pretrained(tmp)
+        copy_tokenizer(base_model_path, tmp)
     return target

@@ -160,6 +160,10 @@ class EngineConfig:
         artifact is named (the free-form engine's)."""
         kwargs = dict(
             model=model_path or self.model_path,
+            # Every engine of a process reads the tokenizer from the base model's folder (merged and folded copies hold
+            # the same files): vLLM caches it by path, so an engine started for a promoted version loads none. A load
+            # holds the GIL for most of a second and stalled the gateway's requests (benchmarks/bench_hot_swap.py).
+            tokenizer=self.model_path,
             served_model_name=[self.served_model_name],
             max_model_len=self.max_model_len,
             max_logprobs=self.max_logprobs,

@@ -22,11 +22,13 @@ def default_artifact(model: ResolvedModel) -> Path:
     return DEFAULT_ARTIFACTS[model.id]
 
 
-def load_checked(model: ResolvedModel, artifact_path: Path):
-    """(tokenizer, artifact): the artifact verified against the model's tokenizer and vocabulary."""
+def load_checked(model: ResolvedModel, artifact_path: Path, tokenizer=None):
+    """(tokenizer, artifact): the artifact verified against the model's tokenizer (loaded unless given: a gateway
+    loading another version passes its own, since a tokenizer load holds the GIL for most of a second and stalls the
+    requests the gateway serves meanwhile) and vocabulary."""
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.path)
     vocab = int(AutoConfig.from_pretrained(model.path).vocab_size)
     artifact = load_artifact(artifact_path, expect_vocab_size=vocab, expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
     return tokenizer, artifact
@@ -110,7 +112,7 @@ def build_gateway(settings):
         import asyncio
 
         def build():
-            _, loaded = load_checked(model, path)  # refuse a mismatched or corrupt artifact before any engine
+            _, loaded = load_checked(model, path, tokenizer)  # refuse a mismatched or corrupt one before any engine
             return version_engine(path, loaded), loaded
 
         started, loaded = await asyncio.to_thread(build)

@@ -114,3 +114,23 @@ def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_p
     assert built_merged_dir("/base", shipped_artifact) == built
     identity = load_artifact(tmp_path / "identity")
     assert identity.adapter_dir is None and str(built_merged_dir("/base", identity)) == "/base"
+
+
+def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_would_save(tmp_path, embedded_model_dir):
+    """Merged and folded copies get the base model's tokenizer by copying its files (a load holds the GIL for most of
+    a second, which stalled a serving gateway during a promotion): the same files, byte for byte, as loading the
+    tokenizer and saving it again, and the copy loads to the same vocabulary and chat template."""
+    from transformers import AutoTokenizer
+
+    from adapters.merged_weights import copy_tokenizer
+
+    copied, saved = tmp_path / "copied", tmp_path / "saved"
+    copied.mkdir()
+    copy_tokenizer(embedded_model_dir, copied)
+    original = AutoTokenizer.from_pretrained(embedded_model_dir)
+    original.save_pretrained(saved)
+    names = sorted(p.name for p in saved.iterdir())
+    assert sorted(p.name for p in copied.iterdir()) == names and "tokenizer.json" in names
+    assert all((copied / n).read_bytes() == (saved / n).read_bytes() for n in names)
+    again = AutoTokenizer.from_pretrained(copied)
+    assert again.get_vocab() == original.get_vocab() and again.chat_template == original.chat_template
