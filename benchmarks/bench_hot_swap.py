@@ -1,0 +1,157 @@
+"""What a promotion costs the traffic a gateway serves meanwhile. A real gateway on the embedded model (in-process
+engines, the shipped artifact, a registry polled every second); one client asks MedMCQA questions one at a time in
+the `medicine` domain (four options, one pass), another reads /metrics every 0.1 s as Prometheus would. Per round a
+copy of the shipped artifact is registered as a new version and promoted for `science`: the gateway builds its merged
+weights and starts its engines (adapter, one-pass folded weights, free-form mode) while the old version answers,
+then switches science's route. The medicine requests never change version, so what they see is the swap's cost to
+everyone else.
+
+Per phase (5 s before the promotion; from the promotion until /health shows the new route; 5 s after) and pooled over
+the rounds: each client's latency p50 / p99 / max, and how many /metrics reads took over 1 s (a scrape that would
+time out at a 1 s interval, as the retraining-loop tests scrape).
+
+    python benchmarks/bench_hot_swap.py [--rounds 2]   -> benchmarks/results/hot_swap.{json,md}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from calm_core.artifact import update_manifest  # noqa: E402
+from calm_core.data import load_mc  # noqa: E402
+from calm_core.db import Database  # noqa: E402
+from calm_core.paths import BUNDLED_DIR, calm_home  # noqa: E402
+from calm_core.registry import Registry  # noqa: E402
+from tests.servers import calm_argv, free_port, running  # noqa: E402
+
+SHARED_DATA = REPO.parent / "shared" / "data"
+OUT = REPO / "benchmarks" / "results" / "hot_swap"
+SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
+MODEL = "calm-smollm2-135m"
+SETTLE_S = 5.0
+PHASES = ("before", "during", "after")
+
+
+class Client(threading.Thread):
+    """Calls `call` back to back (sleeping `pause_s` between calls) and records (start, seconds, ok) until stopped."""
+
+    def __init__(self, call, pause_s: float = 0.0):
+        super().__init__(daemon=True)
+        self.call, self.pause_s = call, pause_s
+        self.samples: list[tuple[float, float, bool]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                ok = self.call()
+            except httpx.HTTPError:
+                ok = False
+            self.samples.append((started, time.monotonic() - started, ok))
+            time.sleep(self.pause_s)
+
+    def between(self, start: float, end: float) -> list[tuple[float, float, bool]]:
+        return [s for s in self.samples if start <= s[0] < end]
+
+
+def stats(samples: list[tuple[float, float, bool]]) -> dict:
+    seconds = np.array([s[1] for s in samples])
+    return {"n": len(samples), "failed": sum(not s[2] for s in samples),
+            "p50_ms": float(np.percentile(seconds, 50) * 1000), "p99_ms": float(np.percentile(seconds, 99) * 1000),
+            "max_ms": float(seconds.max() * 1000), "over_1s": int((seconds > 1.0).sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settle", type=float, default=SETTLE_S, help="seconds measured before and after each swap")
+    args = parser.parse_args()
+    questions = load_mc("medmcqa", root=SHARED_DATA)[:200]
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_REGISTRY_DIR": str(tmp / "registry"),
+               "CALM_REGISTRY_POLL_S": "1", "OMP_NUM_THREADS": "1"}
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        with running(calm_argv("serve", "--port", str(port)), f"{base}/health/ready", tmp / "gw.log", env, timeout=600):
+            http = httpx.Client(timeout=60)
+            asked = iter(range(10**9))
+
+            def ask() -> bool:
+                q = questions[next(asked) % len(questions)]
+                r = http.post(f"{base}/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": q.question}], "options": list(q.choices),
+                    "metadata": {"domain": "medicine"}})
+                return r.status_code == 200
+
+            scrape = httpx.Client(timeout=10)
+            requests, metrics = Client(ask), Client(lambda: scrape.get(f"{base}/metrics").status_code == 200, 0.1)
+            requests.start(), metrics.start()
+            registry = Registry(Database(str(tmp / "gw.sqlite3")), tmp / "registry")  # the gateway's (settings.py)
+            windows = []
+            for i in range(args.rounds):
+                source = tmp / f"v{i}"
+                shutil.copytree(SHIPPED, source)
+                version = f"bench-swap-{i}"
+                update_manifest(source, artifact_version=version)
+                registry.add(source, trigger="operator", domain="science")
+                time.sleep(args.settle)
+                promoted = time.monotonic()
+                registry.promote(version, "science", actor="bench")
+                while http.get(f"{base}/health").json()["versions"]["routes"].get("science") != version:
+                    time.sleep(0.2)
+                switched = time.monotonic()
+                print(f"round {i + 1}: science switched to {version} after {switched - promoted:.1f} s", flush=True)
+                time.sleep(args.settle)
+                windows.append({"before": (promoted - args.settle, promoted), "during": (promoted, switched),
+                                "after": (switched, switched + args.settle), "swap_s": switched - promoted})
+            requests.stop.set(), metrics.stop.set()
+            requests.join(), metrics.join()
+        # The gateway's own account of each swap (merging, engines started), kept beside the results.
+        log = OUT.parent / "logs" / "hot_swap.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp / "gw.log", log)
+    for kind in ("merged", "folded"):  # each version's copies of the weights (~0.5 GB each) in CALM_HOME
+        for built in (calm_home() / kind).glob("bench-swap-*"):
+            shutil.rmtree(built)
+
+    def pooled(client: Client, phase: str) -> dict:
+        return stats([s for w in windows for s in client.between(*w[phase])])
+
+    summary = {"rounds": args.rounds, "swap_s": [round(w["swap_s"], 1) for w in windows],
+               "phases": {p: {"request": pooled(requests, p), "metrics": pooled(metrics, p)} for p in PHASES},
+               "date": time.strftime("%Y-%m-%d %H:%M")}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    OUT.with_suffix(".md").write_text(markdown(summary))
+    print(markdown(summary))
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"A promotion for `science` while `medicine` is asked one question at a time ({summary['rounds']} rounds, "
+             f"{summary['date']}; swaps took {', '.join(f'{s:.0f}' for s in summary['swap_s'])} s):", "",
+             "| phase | requests | p50 (ms) | p99 (ms) | max (ms) | /metrics reads | p50 (ms) | p99 (ms) | max (ms) | "
+             "over 1 s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for phase in PHASES:
+        r, m = summary["phases"][phase]["request"], summary["phases"][phase]["metrics"]
+        lines.append(f"| {phase} | {r['n']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['max_ms']:.0f} | {m['n']} | "
+                     f"{m['p50_ms']:.1f} | {m['p99_ms']:.0f} | {m['max_ms']:.0f} | {m['over_1s']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
