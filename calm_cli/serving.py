@@ -28,7 +28,8 @@ def load_checked(model: ResolvedModel, artifact_path: Path, tokenizer=None):
     requests the gateway serves meanwhile) and vocabulary."""
     from transformers import AutoConfig, AutoTokenizer
 
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model.path)
     vocab = int(AutoConfig.from_pretrained(model.path).vocab_size)
     artifact = load_artifact(artifact_path, expect_vocab_size=vocab, expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
     return tokenizer, artifact

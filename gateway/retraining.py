@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from calm_core.capture import Capture, CaptureSettings
 from calm_core.jobs import Job, JobQueue
-from calm_core.registry import GLOBAL
 from gateway.cached import CachedRead
 from gateway.protocol.loop import AlertmanagerPayload
 
@@ -45,12 +45,12 @@ class CaptureBook(CachedRead[dict]):
 
 
 def jobs_from_alerts(payload: AlertmanagerPayload, queue: JobQueue, known_domains: set[str],
-                     routes: dict[str, str]) -> tuple[list[tuple[Job, bool]], list[dict]]:
+                     serving: Callable[[str], str | None]) -> tuple[list[tuple[Job, bool]], list[dict]]:
     """One retraining job per domain with a firing drift alert (an open job of that domain is reused), and one per
     alert episode (fingerprint and start): Alertmanager repeats an alert until Prometheus sees it resolve, which is
     after the job's candidate serves and the domain's window refills; a repeat then does not start another job.
 
-    `routes`: the registry's domain -> version (`*` the default). The shipped rule labels each alert with the version
+    `serving`: the version the registry routes a domain to (`Registry.serving`). The shipped rule labels each alert with the version
     whose window it measured (`calm_serving_version_info`); an alert about a version the domain is no longer routed to is
     ignored. Without that, an alert that resolved for a moment (a failed scrape drops its series) fires again as a new
     episode while a just-promoted candidate is still starting, and the parent's window would retrain the candidate
@@ -61,8 +61,8 @@ def jobs_from_alerts(payload: AlertmanagerPayload, queue: JobQueue, known_domain
         domain = alert.labels.get("domain")
         if alert.status != "firing" or alert.labels.get("alertname") not in DRIFT_ALERTS or domain not in known_domains:
             continue
-        measured, current = alert.labels.get("version"), routes.get(domain) or routes.get(GLOBAL)
-        if measured is not None and measured != current:
+        measured = alert.labels.get("version")
+        if measured is not None and measured != (current := serving(domain)):
             ignored.append({"domain": domain, "version": measured,
                             "reason": f"the alert measured version {measured}; domain {domain!r} is now routed to "
                                       f"{current}, whose drift window starts afresh when it serves"})

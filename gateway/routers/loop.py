@@ -110,14 +110,11 @@ async def alerts(payload: AlertmanagerPayload, gateway: GatewayState = Depends(s
     # Captured prompts are written after their answers, off the request path; a job queued now must find those of the
     # traffic that raised the alert (a fresh-clone run on a loaded machine once started a job with 18 of 120 written).
     await gateway.capture_book.flush()
-    deployments = gateway.deployments
-
-    def queue_jobs():
-        # The registry's routes, not this replica's: a promotion reaches the registry before any replica serves it.
-        routes = deployments.registry.active() if deployments.registry is not None else deployments.routes
-        return jobs_from_alerts(payload, gateway.jobs, set(gateway.monitor.known) - {OTHER}, routes)
-
-    queued, ignored = await asyncio.to_thread(queue_jobs)
+    # The registry's route, not this replica's: a promotion reaches the registry before any replica serves it.
+    registry = gateway.deployments.registry
+    serving = registry.serving if registry is not None else gateway.deployments.version_for
+    queued, ignored = await asyncio.to_thread(jobs_from_alerts, payload, gateway.jobs,
+                                              set(gateway.monitor.known) - {OTHER}, serving)
     return AlertsAccepted(jobs=[{"id": j.id, "domain": j.domain, "status": j.status, "created": created}
                                 for j, created in queued], ignored=ignored)
 
