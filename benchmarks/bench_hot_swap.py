@@ -16,6 +16,7 @@ time out at a 1 s interval, as the retraining-loop tests scrape).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -89,7 +90,7 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         with running(calm_argv("serve", "--port", str(port)), f"{base}/health/ready", tmp / "gw.log", env, timeout=600):
             http = httpx.Client(timeout=60)
-            asked = iter(range(10**9))
+            asked = itertools.count()
 
             def ask() -> bool:
                 q = questions[next(asked) % len(questions)]
