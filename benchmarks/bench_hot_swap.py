@@ -8,7 +8,10 @@ everyone else.
 
 Per phase (5 s before the promotion; from the promotion until /health shows the new route; 5 s after) and pooled over
 the rounds: each client's latency p50 / p99 / max, and how many /metrics reads took over 1 s (a scrape that would
-time out at a 1 s interval, as the retraining-loop tests scrape).
+time out at a 1 s interval, as the retraining-loop tests scrape). Per round: the swap's seconds and the machine's
+memory in use (MemTotal - MemFree, page cache included) when it began and at its peak; and, before the gateway starts,
+how much memory the machine gives at full speed (scripts/memory_ceiling.py: on the 2-core VMs memory the host no longer
+backs is ~25x slower to touch, and a swap that needs it takes several times longer).
 
     python benchmarks/bench_hot_swap.py [--rounds 2]   -> benchmarks/results/hot_swap.{json,md}
 """
@@ -36,6 +39,7 @@ from calm_core.data import load_mc  # noqa: E402
 from calm_core.db import Database  # noqa: E402
 from calm_core.paths import BUNDLED_DIR, calm_home  # noqa: E402
 from calm_core.registry import Registry  # noqa: E402
+from scripts.memory_ceiling import probe  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -69,6 +73,11 @@ class Client(threading.Thread):
         return [s for s in self.samples if start <= s[0] < end]
 
 
+def memory_in_use_gb() -> float:
+    info = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
+    return (info["MemTotal"] - info["MemFree"]) / 2**20
+
+
 def stats(samples: list[tuple[float, float, bool]]) -> dict:
     seconds = np.array([s[1] for s in samples])
     return {"n": len(samples), "failed": sum(not s[2] for s in samples),
@@ -82,6 +91,9 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=SETTLE_S, help="seconds measured before and after each swap")
     args = parser.parse_args()
     questions = load_mc("medmcqa", root=SHARED_DATA)[:200]
+    fast = probe(step_gb=1.0, slow=4.0)  # the machine as the swaps will find it
+    print("memory at full speed before the gateway starts: "
+          f"{'all' if fast.fast_until_gb is None else f'{fast.fast_until_gb:.1f} GB'} in use", flush=True)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_REGISTRY_DIR": str(tmp / "registry"),
@@ -101,7 +113,14 @@ def main() -> None:
 
             scrape = httpx.Client(timeout=10)
             requests, metrics = Client(ask), Client(lambda: scrape.get(f"{base}/metrics").status_code == 200, 0.1)
-            requests.start(), metrics.start()
+            memory: list[tuple[float, float]] = []  # (time, GB in use)
+
+            def sample_memory() -> bool:
+                memory.append((time.monotonic(), memory_in_use_gb()))
+                return True
+
+            memory_sampler = Client(sample_memory, 0.5)
+            requests.start(), metrics.start(), memory_sampler.start()
             registry = Registry(Database(str(tmp / "gw.sqlite3")), tmp / "registry")  # the gateway's (settings.py)
             windows = []
             for i in range(args.rounds):
@@ -120,8 +139,12 @@ def main() -> None:
                 time.sleep(args.settle)
                 windows.append({"before": (promoted - args.settle, promoted), "during": (promoted, switched),
                                 "after": (switched, switched + args.settle), "swap_s": switched - promoted})
-            requests.stop.set(), metrics.stop.set()
-            requests.join(), metrics.join()
+            for client in (requests, metrics, memory_sampler):
+                client.stop.set()
+                client.join()
+            for w in windows:
+                during = [gb for t, gb in memory if w["during"][0] <= t <= w["during"][1]]
+                w["memory_gb"] = {"at_promotion": round(during[0], 1), "peak": round(max(during), 1)}
         # The gateway's own account of each swap (merging, engines started), kept beside the results.
         log = OUT.parent / "logs" / "hot_swap.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +157,7 @@ def main() -> None:
         return stats([s for w in windows for s in client.between(*w[phase])])
 
     summary = {"rounds": args.rounds, "swap_s": [round(w["swap_s"], 1) for w in windows],
+               "memory_gb": [w["memory_gb"] for w in windows], "fast_memory_gb": fast.fast_until_gb,
                "phases": {p: {"request": pooled(requests, p), "metrics": pooled(metrics, p)} for p in PHASES},
                "date": time.strftime("%Y-%m-%d %H:%M")}
     OUT.parent.mkdir(parents=True, exist_ok=True)
@@ -143,8 +167,12 @@ def main() -> None:
 
 
 def markdown(summary: dict) -> str:
+    memory = "; ".join(f"{m['at_promotion']:.1f} -> {m['peak']:.1f}" for m in summary["memory_gb"])
+    fast_memory = "all" if summary["fast_memory_gb"] is None else f"{summary['fast_memory_gb']:.1f}"
     lines = [f"A promotion for `science` while `medicine` is asked one question at a time ({summary['rounds']} rounds, "
-             f"{summary['date']}; swaps took {', '.join(f'{s:.0f}' for s in summary['swap_s'])} s):", "",
+             f"{summary['date']}; swaps took {', '.join(f'{s:.0f}' for s in summary['swap_s'])} s; the machine's "
+             f"memory in use at each promotion -> its peak during the swap, GB: {memory}; memory came at full speed up "
+             f"to {fast_memory} GB in use before the gateway started):", "",
              "| phase | requests | p50 (ms) | p99 (ms) | max (ms) | /metrics reads | p50 (ms) | p99 (ms) | max (ms) | "
              "over 1 s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for phase in PHASES:

@@ -1,0 +1,114 @@
+"""How much of this machine's memory comes at full speed now. One process takes fresh memory a step at a time (an
+anonymous map, every page written once) and times each step, with the kernel and steal time the machine spent
+meanwhile; it stops at the first step that takes `--slow` times the first one's time, or before the free memory would
+fall under `--keep` GB. In use = MemTotal - MemFree when the step began (page cache included).
+
+    python scripts/memory_ceiling.py [--step-gb 0.5] [--slow 4] [--keep 1.5]
+
+Why: the 2-core CI-kind machines are Firecracker VMs (23.5 GiB) whose kernel reports free memory to the host
+(virtio-balloon free page reporting, /sys/module/page_reporting/parameters/reported_kib), and the host takes reported
+pages back. A page the host no longer backs costs ~25x to touch (1 GB in ~10 s of kernel and steal time instead of
+0.4 s), so how much memory is fast depends on what the machine has freed lately and on the host, not on MemTotal:
+18.7 GB in use after a test-suite run (its page cache still held), 10.0 GB minutes after `echo 3 >
+/proc/sys/vm/drop_caches` had freed 20 GB. Every process slows while it lasts: a gateway's second promotion in
+benchmarks/bench_hot_swap.py, parts of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = mmap.PAGESIZE
+
+
+def meminfo_mb() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in f}
+
+
+def cpu_ticks() -> dict[str, int]:
+    """Machine-wide CPU ticks by kind (/proc/stat's first line)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    return {"user": user, "system": system, "steal": steal}
+
+
+def touch(size: int) -> mmap.mmap:
+    block = mmap.mmap(-1, size)
+    for offset in range(0, size, PAGE):
+        block[offset] = 1
+    return block
+
+
+@dataclass(frozen=True)
+class Step:
+    held_gb: float
+    in_use_gb: float  # MemTotal - MemFree when the step began
+    seconds: float
+    kernel_ticks: int
+    steal_ticks: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    total_gb: float
+    steps: list[Step]
+    fast_until_gb: float | None  # in use when the first slow step began; None: no step was slow
+
+    def markdown(self) -> str:
+        lines = ["| held (GB) | in use before (GB) | seconds | kernel ticks | steal ticks |", "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {s.held_gb:.1f} | {s.in_use_gb:.1f} | {s.seconds:.2f} | {s.kernel_ticks} | {s.steal_ticks} |"
+                  for s in self.steps]
+        if self.fast_until_gb is not None:
+            lines += ["", f"full speed up to ~{self.fast_until_gb:.1f} GB in use of {self.total_gb:.1f} GiB: the step "
+                          f"from there took {self.steps[-1].seconds / self.steps[0].seconds:.0f}x the first"]
+        else:
+            lines += ["", "full speed throughout (stopped before the free memory ran low)"]
+        return "\n".join(lines)
+
+
+def probe(step_gb: float = 0.5, slow: float = 4.0, keep_gb: float = 1.5, on_step=None) -> Probe:
+    """Take memory step by step until a step is `slow` times the first or the free memory would fall under `keep_gb`;
+    all of it is given back on return."""
+    step = int(step_gb * 2**30)
+    held, steps = [], []
+    total = meminfo_mb()["MemTotal"]
+    try:
+        while meminfo_mb()["MemFree"] - step / 2**20 >= keep_gb * 1024:
+            in_use = (total - meminfo_mb()["MemFree"]) / 1024
+            ticks, started = cpu_ticks(), time.perf_counter()
+            held.append(touch(step))
+            seconds = time.perf_counter() - started
+            spent = {k: v - ticks[k] for k, v in cpu_ticks().items()}
+            steps.append(Step(len(held) * step_gb, in_use, seconds, spent["system"], spent["steal"]))
+            if on_step:
+                on_step(steps[-1])
+            if seconds > slow * steps[0].seconds:
+                return Probe(total / 1024, steps, in_use)
+        return Probe(total / 1024, steps, None)
+    finally:
+        for block in held:
+            block.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step-gb", type=float, default=0.5)
+    parser.add_argument("--slow", type=float, default=4.0, help="stop at a step this many times the first's time")
+    parser.add_argument("--keep", type=float, default=1.5, help="GB of free memory never taken")
+    args = parser.parse_args()
+    reported = Path("/sys/module/page_reporting/parameters/reported_kib")
+    reporting = f"; free pages reported to the host so far: {int(reported.read_text()) / 2**20:.0f} GB" \
+        if reported.is_file() else ""
+    print(f"MemTotal {meminfo_mb()['MemTotal'] / 1024:.1f} GiB; steps of {args.step_gb} GB{reporting}", flush=True)
+    result = probe(args.step_gb, args.slow, args.keep,
+                   on_step=lambda s: print(f"  {s.held_gb:.1f} GB held: {s.seconds:.2f} s", flush=True))
+    print("\n" + result.markdown())
+
+
+if __name__ == "__main__":
+    main()
