@@ -13,7 +13,7 @@ memory in use (MemTotal - MemFree, page cache included) when it began and at its
 how much memory the machine gives at full speed (scripts/memory_ceiling.py: on the 2-core VMs memory the host no longer
 backs is ~25x slower to touch, and a swap that needs it takes several times longer).
 
-    python benchmarks/bench_hot_swap.py [--rounds 2]   -> benchmarks/results/hot_swap.{json,md}
+    python benchmarks/bench_hot_swap.py [--rounds 2]   -> benchmarks/results/hot_swap.{json,md,png}
 """
 
 from __future__ import annotations
@@ -163,7 +163,38 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     OUT.with_suffix(".md").write_text(markdown(summary))
+    plot(requests, metrics, memory, windows, fast.fast_until_gb, OUT.with_suffix(".png"))
     print(markdown(summary))
+
+
+def plot(requests: Client, metrics: Client, memory: list[tuple[float, float]], windows: list[dict],
+         fast_gb: float | None, png: Path) -> None:
+    """Latencies and memory in use over the run, the swaps shaded: where a swap's slowness comes from, at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = memory[0][0]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    for client, label, size in ((requests, "medicine request", 4), (metrics, "/metrics read", 2)):
+        top.plot([s[0] - t0 for s in client.samples], [s[1] * 1000 for s in client.samples], ".", ms=size, label=label)
+    top.set_yscale("log")
+    top.set_ylabel("latency (ms)")
+    bottom.plot([t - t0 for t, _ in memory], [gb for _, gb in memory], color="black", label="memory in use")
+    if fast_gb is not None:
+        bottom.axhline(fast_gb, ls="--", color="red", label="full speed up to (probed before the start)")
+    bottom.set_ylabel("GB in use (page cache included)")
+    bottom.set_xlabel("seconds")
+    for ax in (top, bottom):
+        for i, w in enumerate(windows):
+            ax.axvspan(w["during"][0] - t0, w["during"][1] - t0, color="orange", alpha=0.2,
+                       label="swap (promotion to route switched)" if i == 0 and ax is bottom else None)
+        ax.legend(loc="upper left", fontsize=8)
+    top.set_title("A promotion for `science` while `medicine` is served (benchmarks/bench_hot_swap.py)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
 
 
 def markdown(summary: dict) -> str:
