@@ -5,9 +5,9 @@ fall under `--keep` GB. In use = MemTotal - MemFree when the step began (page ca
 
     python scripts/memory_ceiling.py [--step-gb 0.5] [--slow 4] [--keep 1.5]
 
-Why: the 2-core CI-kind machines are Firecracker VMs (23.5 GiB) whose kernel reports free memory to the host
-(virtio-balloon free page reporting, /sys/module/page_reporting/parameters/reported_kib), and the host takes reported
-pages back. A page the host no longer backs costs ~25x to touch (1 GB in ~10 s of kernel and steal time instead of
+Why: the 2-core CI-kind machines are Firecracker VMs (23.5 GiB) that hand memory back to the host: the kernel pages
+out page cache idle for a minute (a DAMON `pageout` scheme, /sys/kernel/mm/damon/admin/kdamonds/0) and reports free
+memory (virtio-balloon free page reporting, /sys/module/page_reporting/parameters/reported_kib). A page the host no longer backs costs ~25x to touch (1 GB in ~10 s of kernel and steal time instead of
 0.4 s), so how much memory is fast depends on what the machine has freed lately and on the host, not on MemTotal:
 18.7 GB in use after a test-suite run (its page cache still held), 10.0 GB minutes after `echo 3 >
 /proc/sys/vm/drop_caches` had freed 20 GB. Every process slows while it lasts: a gateway's second promotion in
