@@ -25,13 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from calm_core.data import load_mc  # noqa: E402
-from tests.memory_budget import tree_pss_gb  # noqa: E402
+from tests.memory_budget import tree_cpu_s, tree_pss_gb  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 # The ways compared: name -> the gateway's environment for it.
@@ -49,12 +48,6 @@ def ask(base: str, q) -> list[float]:
     return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants (none of the gateway's has ended by then)."""
-    root = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-
-
 def one_run(way: str, env: dict, questions, work: Path) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -62,7 +55,8 @@ def one_run(way: str, env: dict, questions, work: Path) -> dict:
     t0 = time.monotonic()
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{way}.log", env,
                  timeout=600) as proc:
-        ready, ready_cpu = time.monotonic() - t0, tree_cpu_s(proc.pid)
+        # User + system CPU of the gateway and its live processes (none of them has ended by then).
+        ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
         ask(base, questions[0])  # the first request starts vLLM's output handlers
         t1 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
