@@ -260,6 +260,12 @@ def _cpu_table(rows: list[dict], top: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fast_memory_line() -> str:
+    """What scripts/test.sh's probe found before the run (scripts/memory_ceiling.py): memory held beyond it was slow."""
+    found = os.environ.get("CALM_FAST_MEMORY")
+    return f"Before the run, `scripts/memory_ceiling.py`: {found}\n\n" if found else ""
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not _SECONDS:
         return
@@ -267,7 +273,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = [json.loads(line) for line in peaks.read_text().splitlines()] if peaks.is_file() else []
     table = _times_table() + (
         f"\nMemory per file (the peak PSS of the worker and everything it started; tests/memory_budget.py):\n\n"
-        f"{_memory_table(rows)}\nCPU per file (the worker and everything it started, sampled every 2 s; "
+        f"{_fast_memory_line()}{_memory_table(rows)}\nCPU per file (the worker and everything it started, sampled every 2 s; "
         f"tests/memory_budget.py):\n\n{_cpu_table(rows)}" if rows else "")
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
