@@ -39,7 +39,7 @@ from calm_core.data import load_mc  # noqa: E402
 from calm_core.db import Database  # noqa: E402
 from calm_core.paths import BUNDLED_DIR, calm_home  # noqa: E402
 from calm_core.registry import Registry  # noqa: E402
-from scripts.memory_ceiling import probe  # noqa: E402
+from scripts.memory_ceiling import meminfo_mb, probe  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -74,8 +74,8 @@ class Client(threading.Thread):
 
 
 def memory_in_use_gb() -> float:
-    info = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
-    return (info["MemTotal"] - info["MemFree"]) / 2**20
+    info = meminfo_mb()
+    return (info["MemTotal"] - info["MemFree"]) / 1024
 
 
 def stats(samples: list[tuple[float, float, bool]]) -> dict:
