@@ -50,11 +50,11 @@ def jobs_from_alerts(payload: AlertmanagerPayload, queue: JobQueue, known_domain
     alert episode (fingerprint and start): Alertmanager repeats an alert until Prometheus sees it resolve, which is
     after the job's candidate serves and the domain's window refills; a repeat then does not start another job.
 
-    `serving`: the version the registry routes a domain to (`Registry.serving`). The shipped rule labels each alert with the version
-    whose window it measured (`calm_serving_version_info`); an alert about a version the domain is no longer routed to is
-    ignored. Without that, an alert that resolved for a moment (a failed scrape drops its series) fires again as a new
-    episode while a just-promoted candidate is still starting, and the parent's window would retrain the candidate
-    (seen once in the suite). The new version's own window starts empty, so its alert, if any, is a fresh one.
+    `serving`: the version the registry routes a domain to (`Registry.serving`). The shipped rule labels each alert with
+    the version whose window it measured (`calm_serving_version_info`); an alert about a version the domain is no longer
+    routed to is ignored. Without that, an alert that resolved for a moment (a failed scrape drops its series) fires
+    again as a new episode while a just-promoted candidate is still starting, and the parent's window would retrain the
+    candidate (seen once in the suite). The new version's own window starts empty, so its alert, if any, is a fresh one.
     Returns the jobs and the ignored alerts (domain, version, reason)."""
     queued, ignored = [], []
     for alert in payload.alerts:

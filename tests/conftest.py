@@ -273,8 +273,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = [json.loads(line) for line in peaks.read_text().splitlines()] if peaks.is_file() else []
     table = _times_table() + (
         f"\nMemory per file (the peak PSS of the worker and everything it started; tests/memory_budget.py):\n\n"
-        f"{_fast_memory_line()}{_memory_table(rows)}\nCPU per file (the worker and everything it started, sampled every 2 s; "
-        f"tests/memory_budget.py):\n\n{_cpu_table(rows)}" if rows else "")
+        f"{_fast_memory_line()}{_memory_table(rows)}\n"
+        f"CPU per file (the worker and everything it started, sampled every 2 s; tests/memory_budget.py):\n\n"
+        f"{_cpu_table(rows)}" if rows else "")
     terminalreporter.write_sep("=", "time per file")
     terminalreporter.write(table)
     out = os.environ.get("CALM_TEST_TIMES_OUT")  # scripts/test.sh sets it (.calm/test-times.md by default)
