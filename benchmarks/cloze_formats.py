@@ -5,7 +5,7 @@
 chat:  the question as the user's turn under the chat template, the option as the assistant's answer
 plain: "Question: ...\\nAnswer:" followed by " <option>" (what `calm_core.prompts.cloze_prompt` uses)
 Prints accuracy, ECE-10, AUROC and mean confidence per dataset and their means over the datasets (the same seeded 200
-questions for every layout) and writes them to cloze_formats.md in --out (the README's copy).
+questions for every layout) and writes them to cloze_formats.md in --out (docs/training.md's copy).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ through the gateway's API, each waited out by count, not by clock:
 3. in domain again for `medicine` only.
 Then every query of every panel (gateway/dashboard.py, `$domain` = all, `$__rate_interval` = 20 s) is read over the
 run with Prometheus's range API into dashboard_run.json, and drawn panel by panel into dashboard.png; dashboard.md
-lists the panels and what each showed (the README's copy).
+lists the panels and what each showed (docs/deployment.md's copy).
 
     python benchmarks/dashboard_run.py [--out benchmarks/results]          # record and draw (about 5 minutes)
     python benchmarks/dashboard_run.py --draw-only                          # draw again from dashboard_run.json

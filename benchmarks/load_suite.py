@@ -1,7 +1,7 @@
 """Load suite: many concurrent clients against the gateway on the embedded model, then the checks that matter under
 load. One command:
 
-    python benchmarks/load_suite.py --users 200 --duration 120 --out benchmarks/results     # the README's run
+    python benchmarks/load_suite.py --users 200 --duration 120 --out benchmarks/results     # docs/configuration.md's run
     python benchmarks/load_suite.py --users 20 --duration 20 --out /tmp/load                 # CI's quick form
 
 1. `calm serve` starts (in-process vLLM, the shipped artifact, a fresh SQLite database).
@@ -127,7 +127,7 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
         "feedback counted back": counts["feedback"] == feedback_rows,
         "policy writes counted back": counts["policy_puts"] == result["policy_version"] == audit,
         # The gateway's own process: where a leak of ours (per request state kept) would show. The engine processes
-        # are reported beside it (vLLM's allocator grows with the batch shapes it has seen; see the README).
+        # are reported beside it (vLLM's allocator grows with the batch shapes it has seen; see docs/configuration.md).
         "gateway memory flat after warm-up (end within 5% + 20 MiB of the first sample after warm-up)":
             bool(own) and own[-1] <= 1.05 * own[0] + 20,
     }

@@ -1,10 +1,10 @@
-"""The README's measured numbers, each copied from the file the command that measured it wrote. Every block between
-`<!-- NAME:start -->` and `<!-- NAME:end -->` in the README is listed in BLOCKS with its source and that command;
-`python scripts/readme_numbers.py` rewrites every block from its source, and tests/test_readme_numbers.py fails when
-a block differs from its source (or a block is not listed).
+"""The documentation's measured numbers (README.md and docs/*.md), each copied from the file the command that measured
+it wrote. Every block between `<!-- NAME:start -->` and `<!-- NAME:end -->` in those pages is listed in BLOCKS with its
+source and that command; `python scripts/readme_numbers.py` rewrites every block from its source, and
+tests/test_readme_numbers.py fails when a block differs from its source, is not listed, or stands on two pages.
 
     CALM_RECORD_RESULTS=1 pytest -s tests/test_retrain_loop.py -k drift_alert   # measure (writes benchmarks/results)
-    python scripts/readme_numbers.py                                           # copy into the README
+    python scripts/readme_numbers.py                                           # copy into the pages
 """
 
 from __future__ import annotations
@@ -17,6 +17,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
+
+
+def pages() -> list[Path]:
+    """The pages that may hold measured blocks: the README and the documents it links."""
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def page_of(name: str) -> Path:
+    """The page holding block `name` (the first, should a block stand twice: the test refuses that)."""
+    return next(p for p in pages() if name in block_names(p.read_text()))
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ def times_table(after: Path, top: int = 12) -> str:
 
 
 def report_body(path: Path) -> str:
-    """A `calm report` markdown file under a README section: its title line dropped, its sections two levels down."""
+    """A `calm report` markdown file under a section of a page: its title line dropped, its sections two levels down."""
     lines = path.read_text().strip().splitlines()[1:]
     return "\n".join("##" + line if line.startswith("## ") else line for line in lines).strip()
 
@@ -102,11 +112,12 @@ def fill(readme: str, block: Block) -> str:
 
 
 def main() -> None:
-    readme = README.read_text()
-    for block in BLOCKS:
-        if block.name in block_names(readme) and block.source.is_file():
-            readme = fill(readme, block)
-    README.write_text(readme)
+    for page in pages():
+        text = page.read_text()
+        for block in BLOCKS:
+            if block.name in block_names(text) and block.source.is_file():
+                text = fill(text, block)
+        page.write_text(text)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ bash scripts/test.sh -p no:cacheprovider "${TESTS[@]}" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 seconds=$(( $(date +%s) - start ))
 echo "slow-machine run: exit $rc after $seconds s with $(nproc) busy processes"
-# One row per run in benchmarks/results/slow-machine.md (the README's copy: scripts/readme_numbers.py).
+# One row per run in benchmarks/results/slow-machine.md (docs/testing.md's copy: scripts/readme_numbers.py).
 OUT=benchmarks/results/slow-machine.md
 [ -f "$OUT" ] || printf '| date (UTC) | commit | tests | result | seconds |\n|---|---|---|---|---:|\n' > "$OUT"
 summary=$(grep -E '^=+ .*(passed|failed|error).* in |^[0-9]+ (passed|failed)' "$LOG" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')

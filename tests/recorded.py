@@ -1,6 +1,6 @@
 """Where a test writes the numbers it measured. `CALM_RECORD_RESULTS=1 pytest -s tests/...` is the command that updates
-the README's numbers: it writes into benchmarks/results/, and `python scripts/readme_numbers.py` copies them into the
-README (tests/test_readme_numbers.py checks the copy). Any other run writes into $CALM_HOME/results/, so a CI run
+the documented numbers: it writes into benchmarks/results/, and `python scripts/readme_numbers.py` copies them into the
+pages (tests/test_readme_numbers.py checks the copy). Any other run writes into $CALM_HOME/results/, so a CI run
 leaves the committed measurements alone."""
 
 from __future__ import annotations

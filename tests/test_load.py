@@ -1,4 +1,4 @@
-"""The load suite's quick form (benchmarks/load_suite.py; the README's numbers come from its full form): concurrent
+"""The load suite's quick form (benchmarks/load_suite.py; docs/configuration.md's numbers come from its full form): concurrent
 Locust clients against `calm serve` on the real engine; only 200 and 429 answers, every acknowledged write in the
 database, memory not growing after warm-up."""
 

@@ -7,8 +7,8 @@ refuses a parameter by design, it must be a 400 in the OpenAI error shape that n
 The same servers carry the escalate and review policies end to end: the in-process gateway answers first, vLLM's
 server (plain OpenAI) or the upstream gateway (a CALM gateway) is the stronger target.
 
-The suite records what it saw and writes the README's compatibility table (`reports/conformance.md`); the last test
-checks that the README carries that table.
+The suite records what it saw and writes the compatibility table of docs/api.md (`reports/conformance.md`); the last test
+checks that the page carries that table.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from dataclasses import dataclass, field
 import openai
 import pytest
 
-from scripts.readme_numbers import read_block
+from scripts.readme_numbers import page_of, read_block
 from tests.servers import REPO, calm_argv, free_port, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
 TABLE = REPO / "reports" / "conformance.md"
-README = REPO / "README.md"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 COUNT = [{"role": "user", "content": "Count from one to ten, separated by commas."}]
 JSON_ASK = [{"role": "user", "content": "Give a JSON object with the name and age of a person."}]
@@ -37,7 +36,7 @@ PARIS = 7042  # " Paris" in the embedded model's vocabulary
 
 @dataclass(frozen=True)
 class Case:
-    row: str  # the README table's parameter column
+    row: str  # the documented table's parameter column
     endpoint: str  # "chat" | "completions"
     kwargs: dict
     refused: str | None = None  # the parameter the gateway names in its 400, when it refuses by design
@@ -139,7 +138,7 @@ def clients(stack):
 
 def call(client: openai.OpenAI, case: Case):
     """The SDK's typed response (streams: the list of chunks), or the APIStatusError. Temperature is explicit:
-    omitted, vLLM samples at 1.0 and the gateway answers greedily (README)."""
+    omitted, vLLM samples at 1.0 and the gateway answers greedily (docs/api.md)."""
     api = client.chat.completions if case.endpoint == "chat" else client.completions
     try:
         result = api.create(model=MODEL, **{"temperature": 0.0, **case.kwargs})
@@ -411,12 +410,12 @@ def render_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_readme_table_is_the_suites_output():
+def test_the_documented_table_is_the_suites_output():
     if any(len(OUTCOMES.get(c.row, Outcome()).gateway) < 2 for c in CASES):
         pytest.skip("the table needs every conformance case to have run in this session")
     table = render_table()
     TABLE.parent.mkdir(parents=True, exist_ok=True)
     TABLE.write_text(table)
-    readme = README.read_text()
-    block = read_block(readme, "conformance") + "\n"
-    assert block == table, f"README's conformance table differs from the suite's output; copy {TABLE} into it"
+    page = page_of("conformance")
+    block = read_block(page.read_text(), "conformance") + "\n"
+    assert block == table, f"{page.name}'s conformance table differs from the suite's output; copy {TABLE} into it"

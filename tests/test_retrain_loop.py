@@ -182,7 +182,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
 
 
 def record_loop_run(measured: dict) -> None:
-    """The README's numbers of the loop: the newest two runs (training differs between runs: the captured prompts
+    """The documented numbers of the loop (docs/retraining-loop.md): the newest two runs (training differs between runs: the captured prompts
     arrive in a different order)."""
     runs = record_runs("retrain_loop", {**measured, "date": datetime.now().strftime("%Y-%m-%d %H:%M")}, keep=2)
     write_markdown("retrain_loop", loop_runs_table(runs))

@@ -13,7 +13,7 @@ with alias answers). Promoted, it serves the domain. On 50 held-out labelled que
 through the gateway by both versions (the parent pinned with `calm.version`), the new version's ECE is below the
 parent's at accuracy >= the parent's - 1 point. (50, not 100 as before 2026-12-03: both versions gave the same answers
 to all 100, all wrong, at confidences 0.107 and 0.057, so half as many questions still separate them, for ~80 s less.)
-The numbers go to benchmarks/results/retrain_loop_free_form.{json,md} (the newest two runs: the README's table).
+The numbers go to benchmarks/results/retrain_loop_free_form.{json,md} (the newest two runs: docs/retraining-loop.md's table).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     assert measured["candidate"]["accuracy"] >= measured["parent"]["accuracy"] - 0.01, measured
     assert psi_after < 0.25, (psi_shifted, psi_after)
     # Alertmanager's repeats of the alert started no other job. (A new episode may: once the promoted version's window
-    # holds 50 answers the rule is evaluated again, and PSI on a half-full window is noisy; see the README's drift notes.)
+    # holds 50 answers the rule is evaluated again, and PSI on a half-full window is noisy; see the drift notes in docs/api.md.)
     episode = [j["id"] for j in jobs(gateway, domain=DOMAIN) if j["detail"].get("starts_at") == done["detail"]["starts_at"]]
     assert episode == [done["id"]]
 
