@@ -32,10 +32,10 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_engine_start import tree_cpu_s  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402
 from tests.fleet import ENGINE_ENV, MODEL, engine_argv  # noqa: E402
+from tests.memory_budget import cpu_used_s, tree_cpu_s  # noqa: E402
 from tests.servers import free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -66,7 +66,7 @@ def timed(pid: int, concurrency: int, fn, items: list) -> tuple[float, float, li
     cpu0, t0 = tree_cpu_s(pid), time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(fn, items))
-    return time.monotonic() - t0, tree_cpu_s(pid) - cpu0, results
+    return time.monotonic() - t0, cpu_used_s(cpu0, tree_cpu_s(pid)), results
 
 
 def one_run(way: str, model_dir: Path, questions: list[str], prompts: list[str], work: Path) -> dict:
@@ -75,7 +75,7 @@ def one_run(way: str, model_dir: Path, questions: list[str], prompts: list[str],
     env = {**WAYS[way], "OMP_NUM_THREADS": "1", "CALM_REGISTRY_DIR": str(work / "registry"), "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
     with running(engine_argv(model_dir, port), f"{base}/health", work / f"{way}.log", env, timeout=600) as proc:
-        ready, ready_cpu = time.monotonic() - t0, tree_cpu_s(proc.pid)
+        ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
         processes = 1 + len(psutil.Process(proc.pid).children(recursive=True))
         free_form(base, questions[0])  # the first request starts the server's output handling
         ff_s, ff_cpu, tokens = timed(proc.pid, 4, lambda q: free_form(base, q), questions)

@@ -123,6 +123,12 @@ def tree_cpu_s(pid: int | None = None) -> dict[tuple[int, float], float]:
     return cpu
 
 
+def cpu_used_s(before: dict[tuple[int, float], float], after: dict[tuple[int, float], float]) -> float:
+    """CPU seconds the tree used between two `tree_cpu_s` reads (a process started meanwhile counts whole; one that
+    ended meanwhile is missing from `after`, its last seconds with it)."""
+    return sum(seconds - before.get(key, 0.0) for key, seconds in after.items())
+
+
 def _tree(pid: int | None) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]

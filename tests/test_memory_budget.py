@@ -7,7 +7,9 @@ import subprocess
 import sys
 import threading
 
-from tests.memory_budget import MemoryBudget, machine_capacity_gb
+import pytest
+
+from tests.memory_budget import MemoryBudget, cpu_used_s, machine_capacity_gb
 
 
 def test_claims_that_fit_run_together_and_one_that_does_not_is_refused_until_a_release(tmp_path):
@@ -93,3 +95,10 @@ def test_a_process_keeps_its_key_when_the_wall_clock_moves_the_boot_time(monkeyp
     monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: boot_time() + 1.0)
     after = {key for key in tree_cpu_s() if key[0] == os.getpid()}
     assert len(before) == 1 and after == before
+
+
+def test_cpu_used_counts_each_process_from_its_first_read():
+    before = {(10, 1.0): 5.0, (11, 2.0): 1.0}
+    after = {(10, 1.0): 7.5, (12, 3.0): 0.5}  # 11 ended, 12 started; pid 10 again with another start is another process
+    assert cpu_used_s(before, after) == pytest.approx(3.0)
+    assert cpu_used_s(after, {**after, (10, 9.0): 1.0}) == pytest.approx(1.0)
