@@ -10,7 +10,8 @@ measures both ways side by side.
 
 The one difference from spawn that matters: a forked child has the server's environment, fixed when the server
 started, while vLLM (and InProcessVLLMEngine) set variables for an engine core just before starting it. So each
-process carries its parent's environment as it was at start() and takes it on first thing, as a spawned one would.
+process carries its parent's environment as it was at start() and takes it on first thing, as a spawned one would,
+OpenMP's thread count included (read by the OpenMP runtime once, when the server loaded torch).
 """
 
 from __future__ import annotations
@@ -39,7 +40,18 @@ class EnvCarryingProcess(ForkServerProcess):
     def run(self) -> None:
         os.environ.clear()
         os.environ.update(self._parent_env)
+        apply_omp_threads()
         super().run()
+
+
+def apply_omp_threads() -> None:
+    """OpenMP read OMP_NUM_THREADS when the server loaded torch, so a forked child's own value would go unread; a
+    spawned engine core reads it as it loads torch. Set it the same way here (torch is preloaded: no import cost)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
 
 
 class EngineCoreContext:

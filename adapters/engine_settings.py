@@ -13,6 +13,7 @@ come from the device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -38,6 +39,7 @@ class EngineOverrides:
     adapter_mode: AdapterMode | None = None
     executor: Executor | None = None
     engine_start: EngineStart | None = None
+    threads: int | None = None  # OpenMP threads per in-process CPU engine; None: split the cores (engine_threads)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class EngineSettings:
     # How an in-process engine's core process starts: forked from a server that imported vLLM once
     # (adapters/engine_processes.py), or vLLM's own spawn (a fresh interpreter per engine; forced on CUDA anyway).
     engine_start: EngineStart
+    threads: int | None  # OpenMP threads per in-process CPU engine; None: the cores split among a version's engines
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -131,8 +134,33 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
         gpu_memory_utilization=gpu_share if kv_mb is None else None,
         enable_prefix_caching=pick("enable_prefix_caching"), block_size=pick("block_size"),
         adapter_mode=pick("adapter_mode"),
-        executor=pick("executor"), engine_start=pick("engine_start"),
+        executor=pick("executor"), engine_start=pick("engine_start"), threads=overrides.threads,
     )
+
+
+def engine_threads(configured: int | None, engines: int, cpus: int) -> int:
+    """OpenMP threads for each of `engines` in-process CPU engines: what the operator set, else the usable cores split
+    among them (at least one each). Each engine runs its own team of threads, and a version's engines compute at the
+    same time (a multiple-choice question's raw and one-pass passes, free-form answers beside them); with more threads
+    than cores in all, a team waits at every barrier for a member the scheduler has put aside. vLLM sizes nothing
+    here: with the "uni" executor each engine took a team as wide as the machine (torch's default), and the shipped
+    gateway's three engines on 2 cores scored multiple choice at 0.36x the rate of one thread each, for 2.9x the CPU
+    (benchmarks/results/engine_threads.md)."""
+    if configured is not None:
+        return configured
+    return max(1, cpus // max(engines, 1))
+
+
+def omp_threads_set() -> int | None:
+    """OMP_NUM_THREADS where the environment sets a positive count (an operator's or a test's choice, kept for every
+    engine), else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask: a container's cpuset, `taskset`)."""
+    return len(os.sched_getaffinity(0))
 
 
 # How far a bf16 engine's numbers may be from HF transformers in fp32 (absolute), measured on the embedded model with

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from adapters.engine_processes import fork_engine_cores
-from adapters.engine_settings import EngineOverrides, EngineSettings, resolve
+from adapters.engine_settings import EngineOverrides, EngineSettings, engine_threads, resolve, usable_cpus
 from adapters.merged_weights import built_merged_dir, merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
 from calm_core.artifact import load_artifact, read_manifest
@@ -99,6 +99,7 @@ class InProcessVLLMEngine:
         self.prefix_reuse, self.prefix_block = False, 0
         self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" | "free_form" -> AsyncLLM
         self._keys: dict[str, tuple] = {}  # the same -> its key in SHARED
+        self.threads: int | None = None  # OpenMP threads of each engine this version starts (CPU)
 
     async def start(self) -> None:
         """One engine on the base weights; with an adapter, either a second one on base + adapter merged (adapter mode
@@ -146,7 +147,8 @@ class InProcessVLLMEngine:
             self._keys[weights] = key
             stage(f"version {self.artifact_version}: engine {weights!r} answers")
 
-        stage(f"version {self.artifact_version}: starting {len(builds)} vLLM engines ({', '.join(builds)})")
+        threads = f", {self.threads} OpenMP thread(s) each" if self._set_openmp_threads(len(builds)) else ""
+        stage(f"version {self.artifact_version}: starting {len(builds)} vLLM engines ({', '.join(builds)}){threads}")
 
         # Together: most of an engine's start is its two spawned processes importing vLLM, and they overlap on the
         # machine's cores (3 engines of the embedded model: 47 s one after the other, 40 s together on 2 cores).
@@ -158,6 +160,14 @@ class InProcessVLLMEngine:
         caches = [engine.vllm_config.cache_config for engine in self._engines.values()]
         self.prefix_reuse = self.config.option_prefix_reuse and all(c.enable_prefix_caching for c in caches)
         self.prefix_block = max(c.block_size for c in caches)
+
+    def _set_openmp_threads(self, engines: int) -> int | None:
+        """On CPU, the OpenMP threads of each of the `engines` this version starts (`engine_threads`): each engine core
+        takes OMP_NUM_THREADS as it starts (a forked one too: adapters/engine_processes.py)."""
+        if self.config.engine.device == "cpu":
+            self.threads = engine_threads(self.config.engine.threads, engines, usable_cpus())
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        return self.threads
 
     def _engine_for(self, request: EngineRequest):
         if request.folded:
@@ -265,7 +275,7 @@ class InProcessVLLMEngine:
     def describe(self) -> dict:
         adapter = "merged" if self.config.merged_model_path else ("lora" if self.config.adapter_path else None)
         return {"kind": "inprocess", "engines": list(self._weights()), "adapter": adapter,
-                "engines_in_process": len(SHARED), **self.config.engine.as_dict()}
+                "engines_in_process": len(SHARED), **self.config.engine.as_dict(), "threads": self.threads}
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -154,7 +154,7 @@ class UpstreamVLLMEngine:
         self.model_name = model_name  # the servers' name for the base weights
         self.has_adapter = has_adapter
         # Option scoring reads the head's log-probs token by token: one-pass scoring needs the head folded into a copy
-        # of the weights, i.e. a vLLM server per version (docs/engines.md: "In-process and upstream, feature by feature").
+        # of the weights, i.e. a vLLM server per version (docs/engines.md, the table of features).
         self.folded_scoring = False
         self.free_form_mode = free_form_mode  # the version's free-form mode: "VERSION:free_form" (adapter and head)
         self.free_form_adapter = free_form_adapter

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from adapters.engine_settings import EngineOverrides
+from adapters.engine_settings import EngineOverrides, omp_threads_set
 from calm_core.paths import calm_home
 
 DEV_ADMIN_KEY = "dev-admin-key"
@@ -48,6 +48,9 @@ class GatewaySettings(BaseSettings):
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
     engine_start: Literal["forkserver", "spawn"] | None = None  # CPU "forkserver" (engine cores forked), CUDA "spawn"
+    # OpenMP threads per in-process CPU engine; unset: OMP_NUM_THREADS if the environment sets it, else the usable cores
+    # split among a version's engines (adapters/engine_settings.py engine_threads).
+    engine_threads: int | None = Field(default=None, gt=0)
     admin_key: str = DEV_ADMIN_KEY
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.
@@ -106,7 +109,8 @@ class GatewaySettings(BaseSettings):
                                kv_cache_mb=self.kv_cache_mb, gpu_memory_utilization=self.gpu_memory_utilization,
                                enable_prefix_caching=self.enable_prefix_caching, block_size=self.block_size,
                                adapter_mode=self.adapter_mode,
-                               executor=self.executor, engine_start=self.engine_start)
+                               executor=self.executor, engine_start=self.engine_start,
+                               threads=self.engine_threads or omp_threads_set())
 
     @model_validator(mode="after")
     def _safe(self):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -53,3 +56,42 @@ def test_a_plain_forkserver_child_would_not_see_it(context, monkeypatch):
 def test_the_context_makes_carrying_processes_and_forkserver_queues(context):
     assert isinstance(context.Process(target=print), EnvCarryingProcess)
     assert context.get_start_method() == "forkserver"
+
+
+def report_threads(queue) -> None:
+    import torch
+
+    queue.put(torch.get_num_threads())
+
+
+def test_a_forked_engine_core_runs_the_openmp_thread_count_its_parent_set():
+    """The server has loaded torch (as it does vLLM's modules), so OpenMP read OMP_NUM_THREADS there, once; the
+    engine's count, set later, reaches a carrying child's torch, and would not reach a plain forkserver child's. In a
+    fresh interpreter: this process's forkserver may already run without torch, where the difference cannot show."""
+    wanted = len(os.sched_getaffinity(0)) + 1  # not what torch picks by itself (the usable cores)
+    script = textwrap.dedent(f"""
+        import multiprocessing, os
+        from adapters.engine_processes import EngineCoreContext
+        from tests.test_engine_processes import report_threads as report
+
+        if __name__ == "__main__":
+            multiprocessing.set_forkserver_preload(["torch"])
+            context = EngineCoreContext()
+            queue = context.Queue()
+            first = context.Process(target=report, args=(queue,))
+            first.start(); before = queue.get(timeout=120); first.join(120)  # the server runs, torch loaded
+            os.environ["OMP_NUM_THREADS"] = "{wanted}"
+            results = []
+            for process in (context.Process, multiprocessing.get_context("forkserver").Process):
+                child = process(target=report, args=(queue,))
+                child.start(); results.append(queue.get(timeout=120)); child.join(120)
+            print(before, *results)
+    """)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=repo,
+                         env={**env, "PYTHONPATH": repo})
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, carried, plain = map(int, out.stdout.split())
+    assert carried == wanted
+    assert plain == before != wanted  # what a forked engine core ran before: the server's count

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from adapters.engine_settings import EngineOverrides, resolve
+from adapters.engine_settings import EngineOverrides, engine_threads, omp_threads_set, resolve
 
 
 def test_cpu_defaults_are_todays_engine():
@@ -76,6 +76,33 @@ def test_gateway_settings_carry_the_overrides(monkeypatch):
     monkeypatch.delenv("CALM_DEVICE")
     monkeypatch.delenv("CALM_GPU_MEMORY_UTILIZATION")
     assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
+
+
+def test_engines_split_the_cores_unless_a_thread_count_is_set():
+    """In-process CPU engines: the usable cores split among a version's engines, at least one thread each (the shipped
+    gateway's three on 2 cores: one each, not a team of 2 each; on 16 cores: 5 each); a configured count wins."""
+    assert engine_threads(None, engines=3, cpus=2) == 1
+    assert engine_threads(None, engines=3, cpus=16) == 5
+    assert engine_threads(None, engines=1, cpus=2) == 2  # `calm eval`: one engine, the whole machine
+    assert engine_threads(None, engines=2, cpus=1) == 1
+    assert engine_threads(4, engines=3, cpus=2) == 4
+
+
+def test_the_thread_count_comes_from_calm_engine_threads_else_omp_num_threads(monkeypatch):
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("CALM_ENGINE_THREADS", raising=False)
+    assert omp_threads_set() is None and resolve(GatewaySettings().engine_overrides(), detected="cpu").threads is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert omp_threads_set() is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # an operator's (or the tests') choice is kept for every engine
+    assert resolve(GatewaySettings().engine_overrides(), detected="cpu").threads == 1
+    monkeypatch.setenv("CALM_ENGINE_THREADS", "3")
+    assert resolve(GatewaySettings().engine_overrides(), detected="cpu").threads == 3
+    monkeypatch.setenv("CALM_ENGINE_THREADS", "0")
+    with pytest.raises(ValueError):
+        GatewaySettings()
 
 
 def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):

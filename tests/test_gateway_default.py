@@ -9,6 +9,7 @@ import numpy as np
 import openai
 import pytest
 
+from adapters.engine_settings import engine_threads, usable_cpus
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
@@ -27,7 +28,9 @@ def started(tmp_path_factory, embedded_model_dir):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp / "gateway.log"
-    with background(calm_argv("serve", "--port", str(port)), log, {"CALM_DB_PATH": str(tmp / "gw.sqlite3")}) as proc:
+    # As `make serve` runs: no OMP_NUM_THREADS (the suite sets 1; empty is unset to OpenMP and to the gateway).
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "OMP_NUM_THREADS": ""}
+    with background(calm_argv("serve", "--port", str(port)), log, env) as proc:
         rounds = watch_start(base, proc, log)
         yield {"base": base, "rounds": rounds, "log": log}
 
@@ -71,6 +74,15 @@ def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
     health = httpx.get(f"{gateway}/health").json()
     assert health["scoring"]["multiple_choice"].startswith("cloze one-pass:"), health["scoring"]
     assert "prefix cache" in health["scoring"]["multiple_choice"], health["scoring"]
+
+
+def test_the_three_engines_split_the_cores_between_them(started):
+    """Nothing set: each engine's OpenMP team is its share of the usable cores (one each on 2 cores), not a team as
+    wide as the machine per engine (benchmarks/results/engine_threads.md)."""
+    expected = engine_threads(None, engines=3, cpus=usable_cpus())
+    assert httpx.get(f"{started['base']}/health").json()["engine"]["threads"] == expected
+    assert f"starting 3 vLLM engines (adapter, folded, free_form), {expected} OpenMP thread(s) each" in (
+        started["log"].read_text())
 
 
 def test_shipped_artifact_is_a_trained_calm_head_on_cloze(shipped_artifact):
