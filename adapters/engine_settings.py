@@ -158,9 +158,6 @@ def omp_threads_set() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity mask: a container's cpuset, `taskset`)."""
-    return len(os.sched_getaffinity(0))
 
 
 # How far a bf16 engine's numbers may be from HF transformers in fp32 (absolute), measured on the embedded model with

@@ -11,8 +11,9 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from adapters.cpu_limits import usable_cpus
 from adapters.engine_processes import fork_engine_cores
-from adapters.engine_settings import EngineOverrides, EngineSettings, engine_threads, resolve, usable_cpus
+from adapters.engine_settings import EngineOverrides, EngineSettings, engine_threads, resolve
 from adapters.merged_weights import built_merged_dir, merged_model_dir
 from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
 from calm_core.artifact import load_artifact, read_manifest

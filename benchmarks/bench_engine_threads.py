@@ -29,7 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapters.engine_settings import usable_cpus  # noqa: E402
+from adapters.cpu_limits import usable_cpus  # noqa: E402
 from benchmarks.bench_stock_engine import timed  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402

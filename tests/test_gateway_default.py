@@ -9,7 +9,8 @@ import numpy as np
 import openai
 import pytest
 
-from adapters.engine_settings import engine_threads, usable_cpus
+from adapters.cpu_limits import usable_cpus
+from adapters.engine_settings import engine_threads
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
