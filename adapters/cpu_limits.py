@@ -61,3 +61,16 @@ def usable_cpus() -> int:
     cores = len(os.sched_getaffinity(0))
     limit = cgroup_cpu_limit(_read(Path("/proc/self/cgroup")) or "")
     return max(1, min(cores, math.floor(limit))) if limit is not None else cores
+
+
+def omp_threads_set() -> int | None:
+    """OMP_NUM_THREADS where the environment sets a positive count (an operator's or a test's choice, kept for every
+    engine), else None."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def process_threads() -> int:
+    """Intra-op threads for this process's own torch work (`calm train`, `calm report`): OMP_NUM_THREADS where set, else
+    the usable cores (torch's own default counts the machine's cores and ignores a quota)."""
+    return omp_threads_set() or usable_cpus()

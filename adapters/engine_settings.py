@@ -13,7 +13,6 @@ come from the device.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -149,13 +148,6 @@ def engine_threads(configured: int | None, engines: int, cpus: int) -> int:
     if configured is not None:
         return configured
     return max(1, cpus // max(engines, 1))
-
-
-def omp_threads_set() -> int | None:
-    """OMP_NUM_THREADS where the environment sets a positive count (an operator's or a test's choice, kept for every
-    engine), else None."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 

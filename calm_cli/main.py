@@ -357,10 +357,11 @@ def train_cmd(
     """Train CALM (or a baseline) with LoRA on the top layers; write the artifact to out_dir/artifact."""
     import torch
 
+    from adapters.cpu_limits import process_threads
     from training.config import load_config
     from training.trainer import Trainer
 
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    torch.set_num_threads(process_threads())
     cfg = load_config(config, method=method, seed=seed, steps=steps, out_dir=str(out) if out else None)
     trainer = Trainer(cfg).setup()
     if resume and trainer.resume():
@@ -403,12 +404,13 @@ def report_cmd(
     open-ended: PopQA -> TriviaQA and TriviaQA -> PopQA, free-form answers evaluated as served."""
     import torch
 
+    from adapters.cpu_limits import process_threads
     from training.config import load_config
 
     if task not in ("multiple-choice", "open-ended"):
         raise typer.BadParameter(f"--task must be multiple-choice or open-ended, not {task!r}")
     open_ended = task == "open-ended"
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    torch.set_num_threads(process_threads())
     base = load_config(config or Path("configs/train/open.toml" if open_ended else "configs/train/calm.toml"))
     steps = steps or (max(base.steps // 4, 10) if quick else None)
     out = out or Path("reports/open-ended" if open_ended else "reports/calm")

@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from adapters.engine_settings import EngineOverrides, omp_threads_set
+from adapters.cpu_limits import omp_threads_set
+from adapters.engine_settings import EngineOverrides
 from calm_core.paths import calm_home
 
 DEV_ADMIN_KEY = "dev-admin-key"

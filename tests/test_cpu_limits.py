@@ -54,3 +54,12 @@ def test_usable_cpus_is_the_mask_capped_by_the_quota(monkeypatch):
 @pytest.mark.skipif(not os.path.exists("/proc/self/cgroup"), reason="Linux only")
 def test_this_machine_reads_without_error():
     assert 1 <= usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_a_process_runs_omp_num_threads_where_set_else_the_usable_cores(monkeypatch):
+    from adapters.cpu_limits import process_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert process_threads() == 3  # more than the cores, if asked: the operator's call
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert process_threads() == usable_cpus()

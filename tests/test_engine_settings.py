@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.engine_settings import EngineOverrides, engine_threads, omp_threads_set, resolve
+from adapters.cpu_limits import omp_threads_set
+from adapters.engine_settings import EngineOverrides, engine_threads, resolve
 
 
 def test_cpu_defaults_are_todays_engine():
