@@ -143,7 +143,7 @@ def engine_threads(configured: int | None, engines: int, cpus: int) -> int:
     same time (a multiple-choice question's raw and one-pass passes, free-form answers beside them); with more threads
     than cores in all, a team waits at every barrier for a member the scheduler has put aside. vLLM sizes nothing
     here: with the "uni" executor each engine took a team as wide as the machine (torch's default), and the shipped
-    gateway's three engines on 2 cores scored multiple choice at 0.36x the rate of one thread each, for 2.9x the CPU
+    gateway's three engines on 2 cores scored multiple choice at 0.36x the rate of one thread each, for 3.0x the CPU
     (benchmarks/results/engine_threads.md)."""
     if configured is not None:
         return configured
