@@ -21,6 +21,8 @@ import multiprocessing
 import os
 from multiprocessing.context import ForkServerProcess
 
+from adapters.cpu_limits import omp_threads_set
+
 log = logging.getLogger(__name__)
 # What the server imports before it forks: the engine core, the CPU worker and model code it runs for the embedded
 # model, and our logits processor and LoRA resolver (vLLM's plugins). A module missing here is imported by each child.
@@ -47,11 +49,11 @@ class EnvCarryingProcess(ForkServerProcess):
 def apply_omp_threads() -> None:
     """OpenMP read OMP_NUM_THREADS when the server loaded torch, so a forked child's own value would go unread; a
     spawned engine core reads it as it loads torch. Set it the same way here (torch is preloaded: no import cost)."""
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
+    threads = omp_threads_set()
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(value))
+        torch.set_num_threads(threads)
 
 
 class EngineCoreContext:

@@ -122,8 +122,8 @@ def markdown(summary: dict) -> str:
     n_mc, n_ff = summary["questions"]["multiple_choice"], summary["questions"]["free_form"]
     split, wide = summary["median"].values()
     lines = [f"`python benchmarks/bench_engine_threads.py` (one run): the shipped gateway in-process "
-             f"({summary['cpus']} usable cores, no OMP_NUM_THREADS), its engines' OpenMP threads set each way, {summary['rounds']} "
-             f"interleaved rounds (medians); CPU is the gateway's process tree. Multiple choice: {n_mc} MedMCQA and "
+             f"({summary['cpus']} usable cores, no OMP_NUM_THREADS), its engines' OpenMP threads set each way, "
+             f"{summary['rounds']} interleaved rounds (medians); CPU is the gateway's process tree. Multiple choice: {n_mc} MedMCQA and "
              f"MMLU questions, {CONCURRENCY} at a time, raw confidence on; free form: {n_ff} PopQA questions, greedy, "
              f"at most {FREE_TOKENS} tokens, {CONCURRENCY} at a time; mixed: both at once.", "",
              "| OpenMP threads | per engine | multiple choice q/s | its CPU (s) | free form tokens/s | its CPU (s) | "

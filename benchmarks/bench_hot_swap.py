@@ -39,7 +39,7 @@ from calm_core.data import load_mc  # noqa: E402
 from calm_core.db import Database  # noqa: E402
 from calm_core.paths import BUNDLED_DIR, calm_home  # noqa: E402
 from calm_core.registry import Registry  # noqa: E402
-from scripts.memory_ceiling import meminfo_mb, probe  # noqa: E402
+from scripts.memory_ceiling import in_use_gb, probe  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -71,11 +71,6 @@ class Client(threading.Thread):
 
     def between(self, start: float, end: float) -> list[tuple[float, float, bool]]:
         return [s for s in self.samples if start <= s[0] < end]
-
-
-def memory_in_use_gb() -> float:
-    info = meminfo_mb()
-    return (info["MemTotal"] - info["MemFree"]) / 1024
 
 
 def stats(samples: list[tuple[float, float, bool]]) -> dict:
@@ -116,7 +111,7 @@ def main() -> None:
             memory: list[tuple[float, float]] = []  # (time, GB in use)
 
             def sample_memory() -> bool:
-                memory.append((time.monotonic(), memory_in_use_gb()))
+                memory.append((time.monotonic(), in_use_gb()))
                 return True
 
             memory_sampler = Client(sample_memory, 0.5)

@@ -31,6 +31,12 @@ def meminfo_mb() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) // 1024 for line in f}
 
 
+def in_use_gb() -> float:
+    """Memory in use now, page cache included (MemTotal - MemFree)."""
+    info = meminfo_mb()
+    return (info["MemTotal"] - info["MemFree"]) / 1024
+
+
 def cpu_ticks() -> dict[str, int]:
     """Machine-wide CPU ticks by kind (/proc/stat's first line)."""
     with open("/proc/stat") as f:
@@ -93,7 +99,7 @@ def probe(step_gb: float = 0.5, slow: float = 4.0, slow_s_per_gb: float = 2.0, k
     total = meminfo_mb()["MemTotal"]
     try:
         while meminfo_mb()["MemFree"] - step / 2**20 >= keep_gb * 1024:
-            in_use = (total - meminfo_mb()["MemFree"]) / 1024
+            in_use = in_use_gb()
             ticks, started = cpu_ticks(), time.perf_counter()
             held.append(touch(step))
             seconds = time.perf_counter() - started

@@ -35,7 +35,8 @@ fi
 
 "$VENV/bin/calm" model prepare
 # How much memory this machine gives at full speed right now (~10 s): on the CI-kind VMs memory the host no longer
-# backs is ~25x slower to touch, and a run that needs more than the probe found is slower for it (docs/retraining-loop.md, hot swap).
+# backs is ~25x slower to touch, and a run that needs more than the probe found is slower for it
+# (docs/retraining-loop.md, hot swap).
 CALM_FAST_MEMORY=$("$VENV/bin/python" scripts/memory_ceiling.py --step-gb 0.5 | tail -1) || CALM_FAST_MEMORY=""
 echo "$CALM_FAST_MEMORY"
 export CALM_FAST_MEMORY  # repeated in the memory table at the end (tests/conftest.py)

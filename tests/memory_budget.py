@@ -152,7 +152,7 @@ class PeakMemory:
 
     @property
     def cpu_s(self) -> float:
-        return sum(self._used().values())
+        return cpu_used_s(self._cpu_at_start, self._cpu)
 
     @property
     def busy_processes(self) -> int:

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from adapters.engine_processes import EngineCoreContext, EnvCarryingProcess
+from tests.servers import REPO
 
 
 def report_variable(name: str, queue) -> None:
@@ -87,10 +88,9 @@ def test_a_forked_engine_core_runs_the_openmp_thread_count_its_parent_set():
                 child.start(); results.append(queue.get(timeout=120)); child.join(120)
             print(before, *results)
     """)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=repo,
-                         env={**env, "PYTHONPATH": repo})
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**env, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     before, carried, plain = map(int, out.stdout.split())
     assert carried == wanted

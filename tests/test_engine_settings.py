@@ -159,7 +159,8 @@ def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_woul
     copy_tokenizer(embedded_model_dir, copied)
     # transformers writes the load's `local_files_only` into tokenizer_config.json (true under HF_HUB_OFFLINE): load
     # the way the prepared folder was, or the re-save differs in that flag alone where the hub is not switched off.
-    written = json.loads((Path(embedded_model_dir) / "tokenizer_config.json").read_text()).get("local_files_only", False)
+    config = json.loads((Path(embedded_model_dir) / "tokenizer_config.json").read_text())
+    written = config.get("local_files_only", False)
     original = AutoTokenizer.from_pretrained(embedded_model_dir, local_files_only=written)
     original.save_pretrained(saved)
     names = sorted(p.name for p in saved.iterdir())
