@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # model, and our logits processor and LoRA resolver (vLLM's plugins). A module missing here is imported by each child.
 PRELOAD = ["vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn", "vllm.model_executor.model_loader",
-           "vllm.model_executor.models.llama", "adapters.vllm_alpha", "adapters.vllm_lora_resolver"]
+           "vllm.model_executor.models.llama", "adapters.vllm_alpha", "adapters.vllm_core_share",
+           "adapters.vllm_lora_resolver"]
 _installed = False
 
 

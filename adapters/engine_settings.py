@@ -13,6 +13,7 @@ come from the device.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -38,7 +39,7 @@ class EngineOverrides:
     adapter_mode: AdapterMode | None = None
     executor: Executor | None = None
     engine_start: EngineStart | None = None
-    threads: int | None = None  # OpenMP threads per in-process CPU engine; None: split the cores (engine_threads)
+    threads: int | None = None  # OpenMP threads per in-process CPU engine; None: shared step by step (core_share)
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class EngineSettings:
     # How an in-process engine's core process starts: forked from a server that imported vLLM once
     # (adapters/engine_processes.py), or vLLM's own spawn (a fresh interpreter per engine; forced on CUDA anyway).
     engine_start: EngineStart
-    threads: int | None  # OpenMP threads per in-process CPU engine; None: the cores split among a version's engines
+    threads: int | None  # OpenMP threads per in-process CPU engine; None: sized step by step (adapters/core_share.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -137,19 +138,23 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
     )
 
 
-def engine_threads(configured: int | None, engines: int, cpus: int) -> int:
-    """OpenMP threads for each of `engines` in-process CPU engines: what the operator set, else the usable cores split
-    among them (at least one each). Each engine runs its own team of threads, and a version's engines compute at the
-    same time (a multiple-choice question's raw and one-pass passes, free-form answers beside them); with more threads
-    than cores in all, a team waits at every barrier for a member the scheduler has put aside. vLLM sizes nothing
-    here: with the "uni" executor each engine took a team as wide as the machine (torch's default), and the shipped
-    gateway's three engines on 2 cores scored multiple choice at 0.36x the rate of one thread each, for 3.0x the CPU
-    (benchmarks/results/engine_threads.md)."""
-    if configured is not None:
-        return configured
-    return max(1, cpus // max(engines, 1))
-
-
+def engine_wait_policy(threads: int | None, engines: int, cpus: int, environ: Mapping[str, str]) -> str | None:
+    """OMP_WAIT_POLICY for in-process CPU engines: PASSIVE where their teams together may outnumber the usable cores,
+    so that a thread waiting at a barrier sleeps instead of spinning on a core another engine's team, or the gateway's
+    own process, needs. libgomp's default spins first (GOMP_SPINCOUNT) and only throttles that when one process's team
+    outnumbers the cores, which no single engine's does. `threads`: each engine's fixed team (an operator set
+    CALM_ENGINE_THREADS or OMP_NUM_THREADS), or None where the teams share the cores step by step
+    (adapters/core_share.py: a lone engine's team takes every core, beside the gateway's event loop). Teams of 2 on
+    2 cores, three engines, spinning: multiple choice at 0.42x the questions/s of passive ones for 2.4x the CPU, and a
+    lone team answering free-form questions at 0.83x the tokens/s for 1.7x the CPU
+    (benchmarks/results/engine_threads.md).
+    None where no team can wait for another's cores (teams of one, few enough, one core) or the operator chose a policy
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT set)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    if threads is None:
+        return "PASSIVE" if cpus > 1 else None
+    return "PASSIVE" if threads > 1 and threads * engines > cpus else None
 
 
 # How far a bf16 engine's numbers may be from HF transformers in fp32 (absolute), measured on the embedded model with

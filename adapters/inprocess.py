@@ -13,9 +13,11 @@ from pathlib import Path
 
 from adapters.cpu_limits import usable_cpus
 from adapters.engine_processes import fork_engine_cores
-from adapters.engine_settings import EngineOverrides, EngineSettings, engine_threads, resolve
+from adapters.core_share import CoreBoard, team_size
+from adapters.engine_settings import EngineOverrides, EngineSettings, engine_wait_policy, resolve
 from adapters.merged_weights import built_merged_dir, merged_model_dir
-from adapters.vllm_common import ADAPTER_NAME, HEAD_ARG_KEY, OPT_OUT_KEY, EngineConfig, register_registry_root
+from adapters.vllm_common import (ADAPTER_NAME, CORE_SHARE_KEY, CORE_SHARE_PROCESSOR, HEAD_ARG_KEY, OPT_OUT_KEY,
+                                  EngineConfig, register_registry_root)
 from calm_core.artifact import load_artifact, read_manifest
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from calm_core.startup import stage
@@ -46,6 +48,17 @@ def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
     return deltas
 
 
+def engine_args(kwargs: dict, core_share: dict | None):
+    """vLLM's arguments for an in-process engine, with the step-by-step core sharing (adapters/vllm_core_share.py)
+    configured where given."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if core_share is not None:
+        kwargs = {**kwargs, "logits_processors": [*kwargs["logits_processors"], CORE_SHARE_PROCESSOR],
+                  "additional_config": {**kwargs["additional_config"], CORE_SHARE_KEY: core_share}}
+    return AsyncEngineArgs(**kwargs, disable_log_stats=True)
+
+
 class SharedEngines:
     """vLLM engines of this process by what they compute: weights, α head (by content) and LoRA adapter. Artifact
     versions that need the same engine share it (a retrained version keeps its parent's free-form mode: the same
@@ -54,15 +67,28 @@ class SharedEngines:
     def __init__(self):
         self._engines: dict[tuple, object] = {}
         self._users: dict[tuple, int] = {}
+        self._board: CoreBoard | None = None  # CPU engines sharing the cores step by step (adapters/core_share.py)
+        self._slots: dict[tuple, int] = {}  # such an engine's key -> its row on the board
         # One lock per key and event loop (tests run several loops): engines of different keys start at the same time,
         # a second user of a key waits for the first one's engine instead of starting another.
         self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    async def acquire(self, key: tuple, build):
+    async def acquire(self, key: tuple, build, share_cpus: int | None = None):
+        """The engine of `key`, built by `build(core_share)` unless it runs: `core_share` is the additional config of
+        an engine that sizes its team among the others step by step on `share_cpus` cores (None: a fixed team)."""
         locks = self._locks.setdefault(asyncio.get_running_loop(), {})
         async with locks.setdefault(key, asyncio.Lock()):
             if key not in self._engines:
-                self._engines[key] = await asyncio.to_thread(build)
+                share = None
+                if share_cpus is not None:
+                    self._board = self._board or CoreBoard.create()
+                    self._slots[key] = self._board.take_slot()
+                    share = {"path": str(self._board.path), "slot": self._slots[key], "cpus": share_cpus}
+                try:
+                    self._engines[key] = await asyncio.to_thread(build, share)
+                except BaseException:
+                    self._free_slot(key)
+                    raise
                 self._users[key] = 0
             self._users[key] += 1
             return self._engines[key]
@@ -72,6 +98,18 @@ class SharedEngines:
         if self._users[key] == 0:
             self._engines.pop(key).shutdown()
             del self._users[key]
+            self._free_slot(key)
+            if not self._engines and self._board is not None:  # the last engine stopped: remove the board's file
+                self._board.close()
+                self._board = None
+
+    def _free_slot(self, key: tuple) -> None:
+        if key in self._slots:
+            self._board.free_slot(self._slots.pop(key))
+
+    def team(self, key: tuple) -> int | None:
+        """The OpenMP team the engine of `key` ran its last step with, where it shares the cores step by step."""
+        return self._board.team(self._slots[key]) if key in self._slots else None
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -100,7 +138,9 @@ class InProcessVLLMEngine:
         self.prefix_reuse, self.prefix_block = False, 0
         self._engines: dict[str, object] = {}  # "base" | "adapter" | "folded" | "free_form" -> AsyncLLM
         self._keys: dict[str, tuple] = {}  # the same -> its key in SHARED
-        self.threads: int | None = None  # OpenMP threads of each engine this version starts (CPU)
+        self.threads: int | None = None  # the fixed OpenMP team of each engine this version starts (CPU, when set)
+        self.wait_policy: str | None = None  # OMP_WAIT_POLICY its engines start with (None: libgomp's spin-then-sleep)
+        self.share_cpus: int | None = None  # else: the cores its engines share step by step (adapters/core_share.py)
 
     async def start(self) -> None:
         """One engine on the base weights; with an adapter, either a second one on base + adapter merged (adapter mode
@@ -114,7 +154,6 @@ class InProcessVLLMEngine:
         without copies.
         """
         os.environ.update(self.config.env())  # read by the logits processor in the engine-core process
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         register_registry_root(self.config.registry_root)  # requests name versions there (validated in this process)
@@ -122,6 +161,7 @@ class InProcessVLLMEngine:
             fork_engine_cores()  # for every engine this process starts from now on
 
         paths = self._weights()
+        share_cpus = self._share_cores(len(paths))
         builds = {}
         for weights, path in paths.items():
             lora = weights == "base" and self.config.adapter_path is not None  # the adapter as a vLLM LoRA
@@ -136,20 +176,20 @@ class InProcessVLLMEngine:
             else:  # merged weights: shared by versions that compute the same thing (weights, and head by content)
                 key = (path, read_manifest(head or self.config.artifact_path)["head_sha256"])
 
-            def build(kwargs=kwargs):
+            def build(core_share: dict | None, kwargs=kwargs):
                 # In a thread: an engine takes tens of seconds to start, and a gateway loading another artifact
                 # version (hot swap) goes on serving meanwhile. vLLM starts its output handler on the first request.
-                return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+                return AsyncLLM.from_engine_args(engine_args(kwargs, core_share))
 
             builds[weights] = (key, build)
 
         async def acquire(weights: str, key: tuple, build) -> None:
-            self._engines[weights] = await SHARED.acquire(key, build)
+            self._engines[weights] = await SHARED.acquire(key, build, share_cpus)
             self._keys[weights] = key
             stage(f"version {self.artifact_version}: engine {weights!r} answers")
 
-        threads = f", {self.threads} OpenMP thread(s) each" if self._set_openmp_threads(len(builds)) else ""
-        stage(f"version {self.artifact_version}: starting {len(builds)} vLLM engines ({', '.join(builds)}){threads}")
+        stage(f"version {self.artifact_version}: starting {len(builds)} vLLM engines ({', '.join(builds)})"
+              f"{self._threads_note()}")
 
         # Together: most of an engine's start is its two spawned processes importing vLLM, and they overlap on the
         # machine's cores (3 engines of the embedded model: 47 s one after the other, 40 s together on 2 cores).
@@ -162,13 +202,41 @@ class InProcessVLLMEngine:
         self.prefix_reuse = self.config.option_prefix_reuse and all(c.enable_prefix_caching for c in caches)
         self.prefix_block = max(c.block_size for c in caches)
 
-    def _set_openmp_threads(self, engines: int) -> int | None:
-        """On CPU, the OpenMP threads of each of the `engines` this version starts (`engine_threads`): each engine core
-        takes OMP_NUM_THREADS as it starts (a forked one too: adapters/engine_processes.py)."""
-        if self.config.engine.device == "cpu":
-            self.threads = engine_threads(self.config.engine.threads, engines, usable_cpus())
+    def _share_cores(self, engines: int) -> int | None:
+        """On CPU, how the OpenMP teams of the `engines` this version starts are sized; returns the usable cores where
+        they share them step by step (the default: adapters/core_share.py), None otherwise. A thread count set by the
+        operator (CALM_ENGINE_THREADS, OMP_NUM_THREADS) is every engine's fixed team instead. Teams that may outnumber
+        the cores wait passively (`engine_wait_policy`). Each engine core takes OMP_NUM_THREADS as it starts (a
+        forked one too: adapters/engine_processes.py); the OpenMP runtime reads the wait policy once, as it loads: a
+        forked core has the forkserver's, which started with this process's first engine, so the first version's
+        engines decide it for the process (a spawned core reads its own)."""
+        if self.config.engine.device != "cpu":
+            return None
+        cpus = usable_cpus()
+        if self.config.engine.threads is None:
+            if self.config.engine.executor != "uni":
+                return None  # vLLM's "mp" executor binds each worker's OpenMP threads to cores of its own choosing
+            # Until the first step sizes it: the split, as engines starting together compute at once (profiling runs).
+            os.environ["OMP_NUM_THREADS"] = str(team_size(cpus, engines))
+            self.share_cpus = cpus
+        else:
+            self.threads = self.config.engine.threads
             os.environ["OMP_NUM_THREADS"] = str(self.threads)
-        return self.threads
+        policy = engine_wait_policy(self.threads, engines, cpus, os.environ)
+        if policy is not None:
+            os.environ["OMP_WAIT_POLICY"] = policy
+        self.wait_policy = os.environ.get("OMP_WAIT_POLICY")
+        return self.share_cpus
+
+    def _threads_note(self) -> str:
+        """How the engines' OpenMP teams are sized, for the start-up line."""
+        if self.share_cpus is not None:
+            note = f", OpenMP teams sized every step to a share of {self.share_cpus} cores"
+        elif self.threads is not None:
+            note = f", {self.threads} OpenMP thread(s) each"
+        else:
+            return ""
+        return note + (f" (OMP_WAIT_POLICY={self.wait_policy})" if self.wait_policy else "")
 
     def _engine_for(self, request: EngineRequest):
         if request.folded:
@@ -276,7 +344,14 @@ class InProcessVLLMEngine:
     def describe(self) -> dict:
         adapter = "merged" if self.config.merged_model_path else ("lora" if self.config.adapter_path else None)
         return {"kind": "inprocess", "engines": list(self._weights()), "adapter": adapter,
-                "engines_in_process": len(SHARED), **self.config.engine.as_dict(), "threads": self.threads}
+                "engines_in_process": len(SHARED), **self.config.engine.as_dict(), "threads": self.threads,
+                "omp_wait_policy": self.wait_policy, "core_share": self._core_share()}
+
+    def _core_share(self) -> dict | None:
+        """The cores shared step by step and each engine's team in its last step (None: not computed yet)."""
+        if self.share_cpus is None:
+            return None
+        return {"cpus": self.share_cpus, "teams": {w: SHARED.team(k) for w, k in self._keys.items()}}
 
     async def abort(self, request_id: str) -> None:
         for engine in self._engines.values():

@@ -35,6 +35,9 @@ MULTI_LORA_RANK = 64  # rank room of an engine that serves every version's adapt
 # Also installed as vLLM's plugin (entry point group `vllm.logits_processors`, pyproject.toml): a stock `vllm serve`
 # in this environment loads it without --logits-processors.
 LOGITS_PROCESSOR = "adapters.vllm_alpha:AlphaHeadLogitsProcessor"
+# In-process CPU engines size their OpenMP teams step by step (adapters/core_share.py), configured by this key.
+CORE_SHARE_PROCESSOR = "adapters.vllm_core_share:CoreShareLogitsProcessor"
+CORE_SHARE_KEY = "calm_core_share"
 WARM_MIDDLEWARE = "adapters.vllm_warm.ServedVersionsFirst"
 ADAPTER_NAME = "calm-adapter"  # prefix of a version's LoRA request in an in-process multi-LoRA engine
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank

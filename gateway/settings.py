@@ -49,8 +49,8 @@ class GatewaySettings(BaseSettings):
     adapter_mode: Literal["merged", "lora"] | None = None  # CPU merged copies, CUDA vLLM multi-LoRA
     executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
     engine_start: Literal["forkserver", "spawn"] | None = None  # CPU "forkserver" (engine cores forked), CUDA "spawn"
-    # OpenMP threads per in-process CPU engine; unset: OMP_NUM_THREADS if the environment sets it, else the usable cores
-    # split among a version's engines (adapters/engine_settings.py engine_threads).
+    # OpenMP threads per in-process CPU engine, fixed; unset: OMP_NUM_THREADS if the environment sets it, else each
+    # engine's share of the usable cores among the engines computing, re-sized every step (adapters/core_share.py).
     engine_threads: int | None = Field(default=None, gt=0)
     admin_key: str = DEV_ADMIN_KEY
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in

@@ -95,3 +95,42 @@ def test_a_forked_engine_core_runs_the_openmp_thread_count_its_parent_set():
     before, carried, plain = map(int, out.stdout.split())
     assert carried == wanted
     assert plain == before != wanted  # what a forked engine core ran before: the server's count
+
+
+def forkserver_spin_counts(engines: int, threads: int | None) -> list[str]:
+    """The spin counts libgomp reports (OMP_DISPLAY_ENV) in a fresh interpreter whose version starts `engines` CPU
+    engines of `threads` each and then forks an engine core: this process's, and the forkserver's, which loaded torch
+    after the version set its environment."""
+    script = textwrap.dedent(f"""
+        import multiprocessing, types
+        from adapters.engine_processes import EngineCoreContext
+        from adapters.inprocess import InProcessVLLMEngine
+        from tests.test_engine_processes import report_threads as report
+
+        if __name__ == "__main__":
+            multiprocessing.set_forkserver_preload(["torch"])
+            engine = types.SimpleNamespace(device="cpu", threads={threads}, executor="uni")
+            version = types.SimpleNamespace(config=types.SimpleNamespace(engine=engine), threads=None, share_cpus=None)
+            InProcessVLLMEngine._share_cores(version, {engines})
+            context = EngineCoreContext()
+            queue = context.Queue()
+            child = context.Process(target=report, args=(queue,))
+            child.start(); print(queue.get(timeout=120)); child.join(120)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**env, "PYTHONPATH": str(REPO), "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == (threads or 1)  # shared teams start as the split: 1 on these machines
+    return [line.split("=")[1].strip(" '") for line in out.stderr.splitlines() if "GOMP_SPINCOUNT =" in line]
+
+
+def test_engine_cores_whose_teams_may_outnumber_the_cores_start_with_a_passive_openmp_runtime():
+    """Fixed teams that outnumber the cores (CALM_ENGINE_THREADS=2, more engines than cores) and teams shared step by
+    step reach the forked engine core's OpenMP runtime as OMP_WAIT_POLICY=PASSIVE (libgomp: spin count 0); fixed
+    teams that fit keep libgomp's spin."""
+    cpus = len(os.sched_getaffinity(0))
+    assert forkserver_spin_counts(engines=cpus + 1, threads=2) == ["0"]  # the forkserver's: the test loads no torch
+    assert forkserver_spin_counts(engines=1, threads=1) == ["300000"]
+    if cpus > 1:  # teams shared step by step (the default) can take every core: passive too
+        assert forkserver_spin_counts(engines=cpus + 1, threads=None) == ["0"]

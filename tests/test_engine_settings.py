@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from adapters.cpu_limits import omp_threads_set
-from adapters.engine_settings import EngineOverrides, engine_threads, resolve
+from adapters.engine_settings import EngineOverrides, engine_wait_policy, resolve
 
 
 def test_cpu_defaults_are_todays_engine():
@@ -81,14 +81,26 @@ def test_gateway_settings_carry_the_overrides(monkeypatch):
     assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
 
 
-def test_engines_split_the_cores_unless_a_thread_count_is_set():
-    """In-process CPU engines: the usable cores split among a version's engines, at least one thread each (the shipped
-    gateway's three on 2 cores: one each, not a team of 2 each; on 16 cores: 5 each); a configured count wins."""
-    assert engine_threads(None, engines=3, cpus=2) == 1
-    assert engine_threads(None, engines=3, cpus=16) == 5
-    assert engine_threads(None, engines=1, cpus=2) == 2  # `calm eval`: one engine, the whole machine
-    assert engine_threads(None, engines=2, cpus=1) == 1
-    assert engine_threads(4, engines=3, cpus=2) == 4
+def test_engine_teams_that_outnumber_the_cores_wait_passively():
+    """Fixed teams (an operator's count): three of 2 on 2 cores spin at each other's barriers, so passive; teams that
+    fit the cores (1 each, 5 each of 16) and teams of one have nothing to spin for; an operator's OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT stands."""
+    assert engine_wait_policy(2, engines=3, cpus=2, environ={}) == "PASSIVE"
+    assert engine_wait_policy(4, engines=1, cpus=2, environ={}) == "PASSIVE"  # one team wider than the machine
+    assert engine_wait_policy(1, engines=3, cpus=2, environ={}) is None  # the tests' OMP_NUM_THREADS=1
+    assert engine_wait_policy(5, engines=3, cpus=16, environ={}) is None
+    assert engine_wait_policy(2, engines=1, cpus=2, environ={}) is None  # `calm eval`: one engine, the machine
+    assert engine_wait_policy(2, engines=3, cpus=2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    assert engine_wait_policy(2, engines=3, cpus=2, environ={"GOMP_SPINCOUNT": "300000"}) is None
+
+
+def test_teams_sharing_the_cores_step_by_step_wait_passively_unless_there_is_one_core():
+    """A lone engine's shared team takes every core, beside the gateway's own process: passive wherever a team can be
+    wider than one thread."""
+    assert engine_wait_policy(None, engines=3, cpus=2, environ={}) == "PASSIVE"
+    assert engine_wait_policy(None, engines=1, cpus=16, environ={}) == "PASSIVE"
+    assert engine_wait_policy(None, engines=3, cpus=1, environ={}) is None
+    assert engine_wait_policy(None, engines=3, cpus=2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) is None
 
 
 def test_the_thread_count_comes_from_calm_engine_threads_else_omp_num_threads(monkeypatch):

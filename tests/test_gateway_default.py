@@ -4,13 +4,16 @@ artifact's LoRA weights and α head, checked against HF transformers + peft (fp3
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from adapters.core_share import team_size
 from adapters.cpu_limits import usable_cpus
-from adapters.engine_settings import engine_threads
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
@@ -77,13 +80,41 @@ def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
     assert "prefix cache" in health["scoring"]["multiple_choice"], health["scoring"]
 
 
-def test_the_three_engines_split_the_cores_between_them(started):
-    """Nothing set: each engine's OpenMP team is its share of the usable cores (one each on 2 cores), not a team as
-    wide as the machine per engine (benchmarks/results/engine_threads.md)."""
-    expected = engine_threads(None, engines=3, cpus=usable_cpus())
-    assert httpx.get(f"{started['base']}/health").json()["engine"]["threads"] == expected
-    assert f"starting 3 vLLM engines (adapter, folded, free_form), {expected} OpenMP thread(s) each" in (
-        started["log"].read_text())
+def test_the_engines_share_the_cores_step_by_step(started):
+    """Nothing set: each engine sizes its OpenMP team before every step to its share of the usable cores among the
+    engines computing then (adapters/core_share.py): the one-pass engine alone (raw pass off) runs on every core, a
+    multiple-choice question's two passes at once on half each (benchmarks/results/engine_threads.md)."""
+    base, cpus = started["base"], usable_cpus()
+
+    def teams() -> dict:
+        share = httpx.get(f"{base}/health").json()["engine"]["core_share"]
+        assert share["cpus"] == cpus
+        return share["teams"]
+
+    def ask(raw: bool) -> None:
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Which planet is largest?"}],
+            "options": ["Mars", "Jupiter", "Venus", "Mercury"], "calm": {"raw_confidence": raw}})
+        assert r.status_code == 200, r.text
+
+    engine = httpx.get(f"{base}/health").json()["engine"]
+    assert engine["threads"] is None and engine["omp_wait_policy"] == "PASSIVE"
+    assert ("starting 3 vLLM engines (adapter, folded, free_form), OpenMP teams sized every step to a share of "
+            f"{cpus} cores (OMP_WAIT_POLICY=PASSIVE)") in started["log"].read_text()
+    for _ in range(20):  # until the engines busy before this test have gone quiet
+        ask(raw=False)
+        if teams()["folded"] == cpus:
+            break
+    assert teams()["folded"] == cpus
+    half = team_size(cpus, busy=2)
+    seen = set()
+    with ThreadPoolExecutor(8) as pool:
+        questions = [pool.submit(ask, True) for _ in range(24)]
+        while not all(q.done() for q in questions):  # the teams while both passes compute
+            seen.add((teams()["adapter"], teams()["folded"]))
+            time.sleep(0.05)
+        [q.result() for q in questions]
+    assert (half, half) in seen, seen
 
 
 def test_shipped_artifact_is_a_trained_calm_head_on_cloze(shipped_artifact):
