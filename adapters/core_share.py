@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-SLOTS = 64  # engines one process may run at once (a gateway runs 3-4 per version, a few versions during a swap)
+SLOTS = 64  # engines of one process that share the cores (a gateway runs 3-4 per version); more keep fixed teams
+PREFIX = "calm-cores-"  # a board's file: calm-cores-<pid>-<random>
 STARTED, ENDED, TEAM = range(3)
 # An engine counts as computing from the start of a step to this long after its end: the gap between two steps of a
 # burst (scheduling, output handling) must not hand its cores to the others for one step and back.
@@ -29,6 +30,14 @@ BETWEEN_STEPS_S = 0.2
 # A step that started and never ended (vLLM ran no forward pass after all: nothing was scheduled) stops counting after
 # this long; longer than a step of the embedded model on CPU (a 2,048-token prefill on one core takes about 2 s).
 LONGEST_STEP_S = 10.0
+
+
+def remove_orphans(folder: Path) -> None:
+    """Boards left by processes that died without closing theirs (killed): a file each, named after its process."""
+    for path in folder.glob(f"{PREFIX}*"):
+        pid = path.name.removeprefix(PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
 
 
 def team_size(cpus: int, busy: int) -> int:
@@ -58,15 +67,18 @@ class CoreBoard:
 
     @classmethod
     def create(cls) -> CoreBoard:
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-        fd, path = tempfile.mkstemp(prefix=f"calm-cores-{os.getpid()}-", dir=folder)
+        folder = Path("/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+                      else tempfile.gettempdir())
+        remove_orphans(folder)
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=folder)
         os.close(fd)
         return cls(path, create=True)
 
-    def take_slot(self) -> int:
-        """A row for an engine about to start, cleared (a row freed by a stopped engine is reused)."""
+    def take_slot(self) -> int | None:
+        """A row for an engine about to start, cleared (a row freed by a stopped engine is reused); None when every row
+        is taken (that engine keeps the team it starts with)."""
         if not self._free:
-            raise RuntimeError(f"more than {SLOTS} in-process engines at once")
+            return None
         slot = self._free.pop(0)
         self.rows[slot] = 0.0
         return slot
@@ -97,3 +109,32 @@ class CoreBoard:
     def close(self) -> None:
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+class CoreShares:
+    """A process's board and the rows it handed to its engines, by engine key; the board's file is removed with the
+    last of them."""
+
+    def __init__(self):
+        self._board: CoreBoard | None = None
+        self._slots: dict[object, int] = {}
+
+    def config(self, key, cpus: int) -> dict | None:
+        """What the engine of `key` needs to share `cpus` cores (vLLM's additional_config), or None without a row."""
+        self._board = self._board or CoreBoard.create()
+        slot = self._board.take_slot()
+        if slot is None:
+            return None
+        self._slots[key] = slot
+        return {"path": str(self._board.path), "slot": slot, "cpus": cpus}
+
+    def release(self, key) -> None:
+        if key in self._slots:
+            self._board.free_slot(self._slots.pop(key))
+        if not self._slots and self._board is not None:
+            self._board.close()
+            self._board = None
+
+    def team(self, key) -> int | None:
+        """The team the engine of `key` ran its last step with (None: it shares no cores or has not computed)."""
+        return self._board.team(self._slots[key]) if key in self._slots else None

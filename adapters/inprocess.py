@@ -13,7 +13,7 @@ from pathlib import Path
 
 from adapters.cpu_limits import usable_cpus
 from adapters.engine_processes import fork_engine_cores
-from adapters.core_share import CoreBoard, team_size
+from adapters.core_share import CoreShares, team_size
 from adapters.engine_settings import EngineOverrides, EngineSettings, engine_wait_policy, resolve
 from adapters.merged_weights import built_merged_dir, merged_model_dir
 from adapters.vllm_common import (ADAPTER_NAME, CORE_SHARE_KEY, CORE_SHARE_PROCESSOR, HEAD_ARG_KEY, OPT_OUT_KEY,
@@ -67,8 +67,7 @@ class SharedEngines:
     def __init__(self):
         self._engines: dict[tuple, object] = {}
         self._users: dict[tuple, int] = {}
-        self._board: CoreBoard | None = None  # CPU engines sharing the cores step by step (adapters/core_share.py)
-        self._slots: dict[tuple, int] = {}  # such an engine's key -> its row on the board
+        self._cores = CoreShares()  # CPU engines sharing the cores step by step
         # One lock per key and event loop (tests run several loops): engines of different keys start at the same time,
         # a second user of a key waits for the first one's engine instead of starting another.
         self._locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -79,15 +78,11 @@ class SharedEngines:
         locks = self._locks.setdefault(asyncio.get_running_loop(), {})
         async with locks.setdefault(key, asyncio.Lock()):
             if key not in self._engines:
-                share = None
-                if share_cpus is not None:
-                    self._board = self._board or CoreBoard.create()
-                    self._slots[key] = self._board.take_slot()
-                    share = {"path": str(self._board.path), "slot": self._slots[key], "cpus": share_cpus}
+                share = self._cores.config(key, share_cpus) if share_cpus is not None else None
                 try:
                     self._engines[key] = await asyncio.to_thread(build, share)
                 except BaseException:
-                    self._free_slot(key)
+                    self._cores.release(key)
                     raise
                 self._users[key] = 0
             self._users[key] += 1
@@ -98,18 +93,11 @@ class SharedEngines:
         if self._users[key] == 0:
             self._engines.pop(key).shutdown()
             del self._users[key]
-            self._free_slot(key)
-            if not self._engines and self._board is not None:  # the last engine stopped: remove the board's file
-                self._board.close()
-                self._board = None
-
-    def _free_slot(self, key: tuple) -> None:
-        if key in self._slots:
-            self._board.free_slot(self._slots.pop(key))
+            self._cores.release(key)
 
     def team(self, key: tuple) -> int | None:
         """The OpenMP team the engine of `key` ran its last step with, where it shares the cores step by step."""
-        return self._board.team(self._slots[key]) if key in self._slots else None
+        return self._cores.team(key)
 
     def __len__(self) -> int:
         return len(self._engines)

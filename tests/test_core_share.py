@@ -4,14 +4,15 @@ shipped gateway's engines doing it for real: tests/test_gateway_default.py."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import numpy as np
 import pytest
 import torch
 
-from adapters.core_share import (BETWEEN_STEPS_S, ENDED, LONGEST_STEP_S, SLOTS, STARTED, CoreBoard, busy_engines,
-                                 team_size)
+from adapters.core_share import (BETWEEN_STEPS_S, ENDED, LONGEST_STEP_S, PREFIX, SLOTS, STARTED, CoreBoard, CoreShares,
+                                 busy_engines, remove_orphans, team_size)
 
 
 def test_an_engine_gets_its_share_of_the_cores_among_the_busy_ones():
@@ -56,12 +57,15 @@ def test_engines_see_each_other_on_the_board_and_a_freed_row_is_cleared(tmp_path
     assert not board.path.exists()
 
 
-def test_the_board_refuses_more_engines_than_it_has_rows(tmp_path):
+def test_engines_beyond_the_boards_rows_get_none_and_a_dead_processs_board_is_removed(tmp_path):
     board = CoreBoard(tmp_path / "board", create=True)
-    for _ in range(SLOTS):
-        board.take_slot()
-    with pytest.raises(RuntimeError, match="in-process engines at once"):
-        board.take_slot()
+    assert len({board.take_slot() for _ in range(SLOTS)}) == SLOTS
+    assert board.take_slot() is None  # that engine keeps the team it starts with
+    dead = 2**22 + 1  # above Linux's default pid_max: no such process
+    orphan, alive = tmp_path / f"{PREFIX}{dead}-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
+    orphan.touch(), alive.touch()
+    remove_orphans(tmp_path)
+    assert not orphan.exists() and alive.exists()
 
 
 @pytest.fixture
@@ -108,3 +112,18 @@ def test_the_processor_resizes_its_engines_team_before_each_step_and_leaves_the_
     assert unconfigured.is_argmax_invariant()  # `calm engine`, fixed teams: a no-op vLLM may skip
     unconfigured.update_state(one_request)
     assert unconfigured.apply(logits) is logits and torch.get_num_threads() == 4
+
+
+def test_a_process_hands_its_engines_rows_and_removes_the_board_with_the_last(monkeypatch, tmp_path):
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr("os.path.isdir", lambda path: False)  # no /dev/shm: the board goes to the temporary folder
+    shares = CoreShares()
+    first, second = shares.config("a", cpus=2), shares.config("b", cpus=2)
+    assert first["path"] == second["path"] and first["slot"] != second["slot"] and first["cpus"] == 2
+    board = CoreBoard(first["path"])
+    board.step_started(first["slot"], 1.0, cpus=2)
+    assert shares.team("a") == 2 and shares.team("b") is None and shares.team("c") is None
+    shares.release("a")
+    assert os.path.exists(first["path"])  # b still runs
+    shares.release("b")
+    assert not os.path.exists(first["path"])
