@@ -27,7 +27,8 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from adapters.vllm_common import ARTIFACT_CONFIG_KEY, ARTIFACT_ENV, HEAD_ARG_KEY, OPT_OUT_KEY, resolve_version
+from adapters.vllm_common import (ARTIFACT_CONFIG_KEY, ARTIFACT_ENV, HEAD_ARG_KEY, OPT_OUT_KEY, additional_config,
+                                  resolve_version)
 from calm_core.alpha_head import apply_alpha
 from calm_core.artifact import MANIFEST_FILE, load_artifact
 
@@ -69,8 +70,7 @@ def _verify(folder: Path) -> None:
 
 class AlphaHeadLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        self.extra = extra if isinstance(extra, dict) else {}
+        self.extra = additional_config(vllm_config)
         # Built once from the plugin entry point and once more when also named explicitly: only the first one acts.
         self.active = not getattr(vllm_config, _INSTANCE, False)
         if vllm_config is not None and self.active:

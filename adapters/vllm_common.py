@@ -49,6 +49,13 @@ MAX_LORAS = 4  # adapters resident at once in a multi-LoRA engine (more versions
 _ROOTS: set[Path] = set()
 
 
+def additional_config(vllm_config) -> dict:
+    """An engine's `additional_config` (where CALM's plugins read their settings), {} where none was given (vLLM
+    leaves None, or a non-dict from a stock command line)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra if isinstance(extra, dict) else {}
+
+
 def register_registry_root(path: str | Path) -> None:
     _ROOTS.add(Path(path).resolve())
 

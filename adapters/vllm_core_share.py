@@ -16,13 +16,12 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from adapters.core_share import CoreBoard
-from adapters.vllm_common import CORE_SHARE_KEY
+from adapters.vllm_common import CORE_SHARE_KEY, additional_config
 
 
 class CoreShareLogitsProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        share = extra.get(CORE_SHARE_KEY) if isinstance(extra, dict) else None
+        share = additional_config(vllm_config).get(CORE_SHARE_KEY)
         self.board = CoreBoard(share["path"]) if share else None
         self.slot = share["slot"] if share else 0
         self.cpus = share["cpus"] if share else 0
