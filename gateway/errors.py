@@ -20,7 +20,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calm_core.engine import EngineRejected, EngineUnavailable
-from gateway.protocol.common import ErrorInfo, ErrorResponse
+from gateway.protocol.common import NONBLANK, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("calm.gateway")
 
@@ -99,15 +99,41 @@ REFUSED_PARAMETERS = {
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = exc.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = _most_telling(exc.errors())
+    loc = _location(first)
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return "request body is not valid JSON", None
-    if first.get("type") == "extra_forbidden":
+    if kind == "extra_forbidden":
         reason = REFUSED_PARAMETERS.get(loc[-1] if loc else "", "this gateway does not support it")
         return f"unsupported parameter {param!r}: {reason}", param
+    if kind == "string_pattern_mismatch" and (first.get("ctx") or {}).get("pattern") == NONBLANK:
+        return f"{param}: must not be empty or blank", param
+    if kind == "too_long" and loc == ["prompt"]:
+        given = first.get("input") or ()
+        if not all(isinstance(p, str) for p in given):
+            return "prompt: token-id prompts are not supported; send the prompt as text", param
+        return f"prompt: one prompt per request (this list has {len(given)}); send each as its own request", param
+    if kind == "literal_error" and loc[-3:-2] == ["content"] and loc[-1] == "type":
+        return (f"{param}: content parts of type {first.get('input')!r} are not supported: the model reads text parts "
+                "only"), param
     return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+
+
+def _location(error: dict) -> list[str]:
+    """Where the error is, as the caller wrote it: without 'body' and without pydantic's union branch tags ('str',
+    'list[TextPart]', 'constrained-str'), which name no field."""
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not (
+        isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("constrained-")))]
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """The error to report. Pydantic reports every branch of a union (`str | list[...]`), the branches whose type the
+    input does not have only as 'Input should be a valid string': report what went wrong in the branch it has."""
+    where = _location(errors[0])
+    return next((e for e in errors if not str(e.get("type", "")).endswith("_type")
+                 and _location(e)[:len(where)] == where), errors[0])
 
 
 def _allowed_methods(request: Request) -> list[str]:

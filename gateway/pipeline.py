@@ -130,14 +130,14 @@ class CalibratedService:
         return self.monitor.label(raw)
 
     def prepare_chat(self, req: ChatCompletionRequest, domain: str) -> RequestContext:
-        self._check_model(req.model)
+        self.check_model(req.model)
         prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
         view = WireView(chat=True, model=req.model, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         return self._context(req, domain, prompt, req.max_completion_tokens or req.max_tokens or 256,
                              req.top_logprobs or 0, view)
 
     def prepare_completion(self, req: CompletionRequest, domain: str) -> RequestContext:
-        self._check_model(req.model)
+        self.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs would return the prompt's log-probs, which are taken before the α "
                            "head (not calibrated); ask for one of them", param="echo")
@@ -145,7 +145,7 @@ class CalibratedService:
         view = WireView(chat=False, model=req.model, logprobs=req.logprobs, echo=req.prompt if req.echo else "")
         return self._context(req, domain, prompt, req.max_tokens, req.logprobs or 0, view)
 
-    def _check_model(self, name: str) -> None:
+    def check_model(self, name: str) -> None:
         if name != self.engine.model_name:
             raise APIError(404, f"model {name!r} does not exist; this gateway serves {self.engine.model_name!r}",
                            "not_found_error", "model", "model_not_found")

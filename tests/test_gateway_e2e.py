@@ -67,6 +67,7 @@ def calibration(choice) -> dict:
 
 def test_models_and_health(client, gateway):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
     health = httpx.get(f"{gateway}/health").json()
     assert health["status"] == "ok" and health["artifact_version"].startswith("test-")
 

@@ -376,7 +376,7 @@ def test_guaranteed_risk_policy_falls_back_until_enough_verdicts_then_guarantees
         policy = {"target_risk": 0.3, "delta": 0.1, "min_labels": 20, "fallback": "abstain_all", "action": "abstain"}
         put = client.put("/admin/policies/science", json=policy, headers=admin)
         assert put.status_code == 200 and put.json()["state"] == "fallback abstain_all (0 of 20 labels)"
-        assert client.put("/admin/policies/x", json={"threshold": 0.5, "delta": 0.1}, headers=admin).status_code == 400
+        assert client.put("/admin/policies/science", json={"threshold": 0.5, "delta": 0.1}, headers=admin).status_code == 400
         ids = []
         for i in range(20):
             r = client.post("/v1/chat/completions", json=body).json()

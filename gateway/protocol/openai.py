@@ -107,7 +107,8 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None  # an end-user id, as OpenAI takes it; not used for the answer
     metadata: dict[StrictStr, StrictStr] | None = None
-    options: list[StrictStr] | None = Field(default=None, min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
+    options: list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]] | None = Field(
+        default=None, min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
     calm: CalmOptions | None = None
 
     @model_validator(mode="after")

@@ -13,13 +13,13 @@ from pydantic import ValidationError
 from gateway.errors import APIError
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
-from gateway.policies import DEFAULT_DOMAIN, Policy, resolve
+from gateway.policies import Policy, resolve
 from gateway.handoff_store import Review
 from gateway.protocol.admin import (
     KeyCreate, KeyCreated, KeyList, KeyOut, LabelledOpenQuestion, LabelUpload, LabelUploadResult, PolicyOut,
     ReviewClosed, ReviewList, ReviewOut, ReviewVerdict,
 )
-from gateway.routers.deps import DOMAIN_PATTERN, DomainPath, admin, checked_domain, documented, state
+from gateway.routers.deps import DOMAIN_PATTERN, DomainPath, admin, checked_domain, documented, served_domain, state
 from gateway.state import GatewayState
 from gateway.store import VersionConflict
 
@@ -55,11 +55,11 @@ async def get_policy(domain: DomainPath, _: str = Depends(admin), gateway: Gatew
     return policy_out(gateway, domain, *found)
 
 
-@router.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 409), openapi_extra=POLICY_BODY)
+@router.put("/admin/policies/{domain}", responses=documented(400, 401, 403, 404, 409), openapi_extra=POLICY_BODY)
 async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(admin),
                      if_match: str | None = Header(default=None, pattern=r'^"?[0-9]+"?$'),
                      gateway: GatewayState = Depends(state)) -> PolicyOut:
-    checked_domain(domain)
+    served_domain(gateway, domain, default=True)
     try:
         policy = Policy.model_validate_json(await request.body())
     except ValidationError as e:
@@ -91,10 +91,7 @@ async def delete_policy(domain: DomainPath, actor: str = Depends(admin), gateway
 @router.post("/admin/labels/{domain}", responses=documented(400, 401, 403, 404, 503))
 async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depends(admin),
                         gateway: GatewayState = Depends(state)) -> LabelUploadResult:
-    domain = checked_domain(domain)
-    if domain == DEFAULT_DOMAIN or gateway.monitor.label(domain) != domain:
-        raise APIError(404, f"labels belong to a known serving domain; {domain!r} is not one", "not_found_error",
-                       param="domain")
+    domain = served_domain(gateway, domain)
     verdicts = await score_labelled(gateway.deployments.for_domain(domain).service, domain, upload.questions)
     # Kept with their answers for the retraining gate (judged on, never trained on).
     await asyncio.to_thread(gateway.capture.add_labelled, domain,
@@ -149,10 +146,10 @@ def key_out(key: ClientKey) -> KeyOut:
                   requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at)
 
 
-@router.post("/admin/keys", responses=documented(400, 401, 403), status_code=201)
+@router.post("/admin/keys", responses=documented(400, 401, 403, 404), status_code=201)
 async def create_key(body: KeyCreate, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyCreated:
     for domain in body.domains or []:
-        checked_domain(domain)
+        served_domain(gateway, domain)
     created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute)
     gateway.keyring.refresh()
     return created

@@ -1,5 +1,5 @@
 """What the routers share: the app's state, admin and client authentication, the documented error statuses, and the
-domain-name rule."""
+domain rules (a valid name; one this gateway tells apart)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastapi import Path as FastAPIPath
 
 from gateway.errors import APIError
 from gateway.keys import ClientKey
+from gateway.monitoring import OTHER
 from gateway.policies import DEFAULT_DOMAIN
 from gateway.protocol.common import DOMAIN_NAME, ErrorResponse
 from gateway.state import GatewayState
@@ -51,3 +52,16 @@ def checked_domain(domain: str) -> str:
     if domain != DEFAULT_DOMAIN and not _DOMAIN_NAME.match(domain):
         raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters", param="domain")
     return domain
+
+
+def served_domain(gateway: GatewayState, domain: str, *, default: bool = False, other: bool = True) -> str:
+    """`domain` if requests can name it: the artifact's reference domains, CALM_DOMAINS and `other` (unless refused), or
+    `default` where allowed. Anything else is a 404: requests naming it are served and counted as `other`, so a policy,
+    a key or labels stored for it would never apply."""
+    checked_domain(domain)
+    if (domain == DEFAULT_DOMAIN and default) or (domain in gateway.monitor.known and (other or domain != OTHER)):
+        return domain
+    served = sorted(gateway.monitor.known - ({OTHER} if not other else set()))
+    raise APIError(404, f"{domain!r} is not a domain this gateway serves: requests naming it are served and counted as "
+                   f"{OTHER!r}. Served: {', '.join(served)}; name more in CALM_DOMAINS (on every replica)",
+                   "not_found_error", "domain", code="domain_not_found")

@@ -28,7 +28,8 @@ async def health(gateway: GatewayState = Depends(state)):
     default = deployments.default.service
     await check_engines(gateway)
     return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
-            "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe()}
+            "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe(),
+            "domains": sorted(gateway.monitor.known)}
 
 
 @router.get("/health/live")

@@ -16,7 +16,7 @@ from gateway.errors import APIError
 from gateway.monitoring import OTHER
 from gateway.protocol.loop import AlertmanagerPayload, AlertsAccepted, CaptureSettingsIn, JobCreate, Promotion
 from gateway.retraining import jobs_from_alerts
-from gateway.routers.deps import DOMAIN_PATTERN, admin, documented, state
+from gateway.routers.deps import DOMAIN_PATTERN, admin, documented, served_domain, state
 from gateway.state import GatewayState
 
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
@@ -27,10 +27,7 @@ router = APIRouter(dependencies=[Depends(admin)])
 
 
 def serving_domain(gateway: GatewayState, domain: str) -> str:
-    if domain not in gateway.monitor.known or domain == OTHER:
-        raise APIError(404, f"{domain!r} is not a serving domain of this gateway (CALM_DOMAINS and the artifact's "
-                       "reference domains are)", "not_found_error", "domain")
-    return domain
+    return served_domain(gateway, domain, other=False)
 
 
 def registry_call(fn, *args):

@@ -46,6 +46,13 @@ async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = 
     return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
 
 
+@router.get("/v1/models/{model}", responses=documented(401, 404))
+async def model(model: str, _: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)) -> ModelCard:
+    service = gateway.deployments.default.service
+    service.check_model(model)
+    return ModelCard(id=model)
+
+
 def escalated_here(raw_request: Request) -> bool:
     """Another gateway escalated this request here (gateway/escalation.py): answer it, never hand it off again."""
     return HOP_HEADER in raw_request.headers

@@ -1,0 +1,76 @@
+"""What a caller or an operator is told when the gateway refuses something, through the official openai client where a
+client would send it (a fake engine: nothing here reaches one)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.test_client_keys import ADMIN, make_app
+
+QUESTION = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture
+def http(tmp_path):
+    with TestClient(make_app(tmp_path)) as http:  # serves "science" and "medicine" (CALM_DOMAINS)
+        yield http
+
+
+@pytest.fixture
+def client(http):
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+REFUSED = [  # (endpoint, arguments, param, words of the message)
+    ("completions", dict(prompt="   "), "prompt", "prompt: must not be empty or blank"),
+    ("completions", dict(prompt=["A", "B"]), "prompt", "one prompt per request (this list has 2)"),
+    ("completions", dict(prompt=[1, 2, 3]), "prompt", "token-id prompts are not supported"),
+    ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]),
+     "messages.0.content.0.type", "content parts of type 'image_url' are not supported"),
+    ("chat", dict(messages=QUESTION, extra_body={"options": ["Paris", " "]}), "options.1", "must not be empty or blank"),
+    # Errors in two fields: the first one the request has is reported, as before.
+    ("chat", dict(messages=QUESTION, temperature="x", n=0), "temperature", "Input should be a valid number"),
+]
+
+
+@pytest.mark.parametrize("endpoint, arguments, param, words", REFUSED, ids=[f"{e}-{p}" for e, _, p, _ in REFUSED])
+def test_a_refused_request_names_the_field_as_the_caller_wrote_it(client, endpoint, arguments, param, words):
+    """Pydantic reports every branch of a union (`str | list[...]`): the message comes from the branch the input took
+    and names the field without the branch's tag ('prompt', not 'prompt.constrained-str')."""
+    create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as refused:
+        create(model="m", max_tokens=2, **arguments)
+    error = refused.value.body
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert words in error["message"] and "str" not in error["param"] and "[" not in error["message"]
+
+
+def test_models_retrieve_answers_for_the_served_model_only(client):
+    assert client.models.retrieve("m").id == "m"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.models.retrieve("gpt-4")
+    assert unknown.value.body["code"] == "model_not_found" and "serves 'm'" in unknown.value.body["message"]
+
+
+def test_policies_keys_and_labels_are_refused_for_a_domain_requests_cannot_name(http, client):
+    """A domain the gateway does not tell apart is served and counted as `other`: a policy, a key or labels stored for
+    it would never apply, so they are refused with what to do instead."""
+    answer = client.chat.completions.create(model="m", max_tokens=2, messages=QUESTION, metadata={"domain": "geo"})
+    assert answer.choices[0].model_extra["calibration"]["domain"] == "other"
+    refused = [http.put("/admin/policies/geo", json={"threshold": 0.5}, headers=ADMIN),
+               http.post("/admin/keys", json={"name": "team-geo", "domains": ["science", "geo"]}, headers=ADMIN),
+               http.post("/admin/labels/geo", json={"questions": [{"question": "q", "options": ["a", "b"], "answer": 0}]},
+                         headers=ADMIN),
+               http.put("/admin/capture/geo", json={"enabled": True}, headers=ADMIN)]
+    for r in refused:
+        error = r.json()["error"]
+        assert (r.status_code, error["code"], error["param"]) == (404, "domain_not_found", "domain"), r.text
+        assert "'geo' is not a domain this gateway serves" in error["message"] and "CALM_DOMAINS" in error["message"]
+        assert "medicine, other, science" in error["message"] or "medicine, science" in error["message"]
+    assert http.get("/admin/policies/geo", headers=ADMIN).status_code == 404  # nothing was stored
+    assert http.post("/admin/keys", json={"name": "t", "domains": ["medicine"]}, headers=ADMIN).status_code == 201
+    for domain in ("science", "medicine", "other", "default"):  # `other` and `default` hold policies too
+        assert http.put(f"/admin/policies/{domain}", json={"threshold": 0.0}, headers=ADMIN).status_code == 200
+    assert http.get("/health").json()["domains"] == ["medicine", "other", "science"]
