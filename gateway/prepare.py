@@ -89,6 +89,9 @@ class RequestPlanner:
 
     def _shaping(self, req: SamplingFields) -> dict:
         """Free-form sampling parameters for the engine, checked where the engine's own error would not name them."""
+        if req.n > 1 and not req.temperature:  # vLLM's own refusal would blame "greedy sampling" nobody asked for
+            raise APIError(400, f"n={req.n} asks for several sampled answers: set a temperature above 0 (omitted, this "
+                           "gateway answers greedily)", param="n")
         bias = tuple((int(t), float(b)) for t, b in (req.logit_bias or {}).items())
         vocab = len(self.tokenizer)
         if any(t >= vocab for t, _ in bias):

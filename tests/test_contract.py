@@ -84,3 +84,19 @@ def test_schemathesis_finds_no_contract_violation_behind_a_fake_engine(tmp_path)
         log = server.communicate(timeout=30)[0]
     assert done.returncode == 0, done.stdout[-5000:]
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_several_free_form_answers_need_a_temperature_in_the_schema_as_in_the_gateway(document, tmp_path):
+    """Omitted, the temperature is 0 here (greedy): n > 1 free-form answers are refused naming `n`, and the document
+    says so, so a schema-valid request is never refused (multiple choice draws n options, greedily or not)."""
+    import jsonschema
+    from fastapi.testclient import TestClient
+
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        rules = jsonschema.Draft202012Validator({"allOf": document["components"]["schemas"][name]["allOf"]})
+        assert not rules.is_valid({"n": 2}) and not rules.is_valid({"n": 2, "temperature": 0})
+        assert all(rules.is_valid(body) for body in ({"n": 2, "temperature": 0.7}, {"n": 1}, {"n": 2, "options": ["a", "b"]}))
+    with TestClient(make_app(tmp_path)) as http:
+        r = http.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "set a temperature above 0" in r.json()["error"]["message"]

@@ -136,6 +136,10 @@ _OFF = lambda *values: {"anyOf": [{"type": "null"}, *({"const": v} for v in valu
 # The request-level rules the schema can state: stream_options needs stream; options (multiple choice) take no
 # token-sampling parameter but their "off" values (temperature and seed apply: the option is drawn).
 REQUEST_RULES = [
+    # Several free-form answers are sampled: n > 1 needs a temperature (omitted, the gateway answers greedily).
+    {"if": {"required": ["n"], "properties": {"n": {"type": "integer", "minimum": 2}},
+            "not": {"required": ["options"], "properties": {"options": {"type": "array"}}}},
+     "then": {"required": ["temperature"], "properties": {"temperature": {"type": "number", "exclusiveMinimum": 0}}}},
     {"if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
      "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
     {"if": {"required": ["options"], "properties": {"options": {"type": "array"}}},
