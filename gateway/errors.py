@@ -110,11 +110,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"unsupported parameter {param!r}: {reason}", param
     if kind == "string_pattern_mismatch" and (first.get("ctx") or {}).get("pattern") == NONBLANK:
         return f"{param}: must not be empty or blank", param
-    if kind == "too_long" and loc == ["prompt"]:
-        given = first.get("input") or ()
+    if loc == ["prompt"] and isinstance(given := first.get("input"), list):
         if not all(isinstance(p, str) for p in given):
             return "prompt: token-id prompts are not supported; send the prompt as text", param
-        return f"prompt: one prompt per request (this list has {len(given)}); send each as its own request", param
+        if kind == "too_long":
+            return f"prompt: at most {first['ctx']['max_length']} prompts per request (this list has {len(given)})", param
     if kind == "literal_error" and loc[-3:-2] == ["content"] and loc[-1] == "type":
         return (f"{param}: content parts of type {first.get('input')!r} are not supported: the model reads text parts "
                 "only"), param

@@ -22,7 +22,7 @@ from gateway.handoff_store import HandoffStore, Review
 from gateway.monitoring import Metrics
 from gateway.policies import Action
 from gateway.protocol.openai import Escalation
-from gateway.wire import Answer, Served, no_positions, response_key
+from gateway.wire import Answer, Served, no_positions
 
 if TYPE_CHECKING:
     from gateway.pipeline import RequestContext
@@ -63,7 +63,7 @@ class Handoff:
             served.answers[i] = Answer(theirs.text, theirs.finish_reason,
                                        first.model_copy(update=dict(escalated=True, escalation=info)),
                                        theirs.completion_tokens, lambda p=theirs.positions: p)
-            rows.append((response_key(served.response_id, i), domain, first.confidence, target.model, theirs.confidence))
+            rows.append((served.key(i), domain, first.confidence, target.model, theirs.confidence))
         await asyncio.to_thread(self.store.record_escalations, rows)
 
     def _fall_back(self, served: Served, unsure: list[int], ctx: RequestContext, failure: TargetFailed,
@@ -92,7 +92,7 @@ class Handoff:
         now, reviews = time.time(), []
         for i in unsure:
             answer = served.answers[i]
-            review = Review(f"rev-{uuid.uuid4().hex[:24]}", ctx.domain, response_key(served.response_id, i), request,
+            review = Review(f"rev-{uuid.uuid4().hex[:24]}", ctx.domain, served.key(i), request,
                             answer.text, answer.calibration.confidence, now)
             reviews.append(review)
             served.answers[i] = replace(answer, text=ctx.policy.message, positions=no_positions,

@@ -23,22 +23,26 @@ class InFlight:
         self.limit = limit
         self.count = 0
 
-    def acquire(self) -> None:
-        if self.count >= self.limit:
+    def acquire(self, slots: int = 1) -> None:
+        """One slot per answer asked for at once: a request, or each prompt of a completions request with several."""
+        if slots > self.limit:
+            raise APIError(400, f"{slots} prompts are more than this gateway serves at once ({self.limit}, "
+                           "CALM_MAX_IN_FLIGHT); send fewer per request", param="prompt")
+        if self.count + slots > self.limit:
             raise APIError(429, f"the gateway is at its limit of {self.limit} requests in flight; retry shortly",
                            "rate_limit_error", code="server_busy", retry_after_s=1)
-        self.count += 1
+        self.count += slots
 
-    def release(self) -> None:
-        self.count -= 1
+    def release(self, slots: int = 1) -> None:
+        self.count -= slots
 
-    async def hold_stream(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
-        """Keep the slot until the stream has sent its last chunk (or the client went away)."""
+    async def hold_stream(self, stream: AsyncIterator[str], slots: int = 1) -> AsyncIterator[str]:
+        """Keep the slots until the stream has sent its last chunk (or the client went away)."""
         try:
             async for piece in stream:
                 yield piece
         finally:
-            self.release()
+            self.release(slots)
 
 
 class deadline:

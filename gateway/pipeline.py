@@ -30,11 +30,13 @@ from gateway.policies import Action, Policy, ResolvedPolicy, resolve
 from gateway.policy_book import PolicyBook
 from gateway.prepare import RequestPlanner, ServedArtifact
 from gateway.prompting import prepare_chat, prepare_completion
-from gateway.protocol.openai import Calibration, ChatCompletionRequest, ClusterOut, CompletionRequest, OptionProbability, SamplingFields
+from gateway.protocol.openai import (
+    Calibration, ChatCompletionRequest, ClusterOut, CompletionRequest, OptionProbability, SamplingFields, UsageInfo,
+)
 from gateway.retraining import CaptureBook
 from gateway.settings import GatewaySettings
 from gateway.store import Store
-from gateway.wire import Answer, Served, WireView, no_positions, response_key
+from gateway.wire import Answer, Served, WireView, no_positions
 
 
 @dataclass
@@ -55,6 +57,11 @@ class RequestContext:
     drift: bool = True
     # False for a request another gateway escalated here (X-Calm-Escalated): it is answered, never handed off again.
     handoff: bool = True
+    # One prompt of several (completions, gateway/batch.py): its choices are numbered from `first_index` under the
+    # response id they share, and its stream leaves the usage and [DONE] to the response (`usage` keeps its share).
+    first_index: int = 0
+    batched: bool = False
+    usage: UsageInfo | None = None
 
     @property
     def buffered(self) -> bool:
@@ -179,7 +186,7 @@ class CalibratedService:
     def calibrate(self, scoring: Scoring, ctx: RequestContext) -> Served:
         """The policy applied to each scored choice, the answer observed by the domain's monitor."""
         answers = [self._answer(choice, scoring, ctx) for choice in scoring.choices]
-        return Served(ctx.response_id, answers, scoring.prompt_tokens)
+        return Served(ctx.response_id, answers, scoring.prompt_tokens, ctx.first_index)
 
     def _answer(self, choice: ScoredChoice, scoring: Scoring, ctx: RequestContext) -> Answer:
         policy, letters = ctx.policy, ctx.prompt.option_letters
@@ -219,7 +226,7 @@ class CalibratedService:
     async def record(self, served: Served, ctx: RequestContext) -> None:
         """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
         requests being served meanwhile; keep the question for retraining where the domain opted in."""
-        rows = [(response_key(served.response_id, i), ctx.domain, a.calibration.confidence, a.served)
+        rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served)
                 for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
         if rows:
             await self.shared.responses.add(rows)
@@ -247,7 +254,7 @@ class CalibratedService:
         """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk. Buffered answers
         come whole; free-form answers under an annotate policy stream token by token. Errors propagate: the router
         turns them into an SSE error event."""
-        view, rid, n = ctx.view, ctx.response_id, ctx.job.request.n
+        view, rid, n, base = ctx.view, ctx.response_id, ctx.job.request.n, ctx.first_index
         self.capture(ctx, None)
         try:
             if view.chat:
@@ -255,8 +262,8 @@ class CalibratedService:
             if ctx.buffered:
                 served = await self.answer(ctx)
                 for i, answer in enumerate(served.answers):
-                    yield view.chunk(rid, [view.delta(i, answer.text, answer.positions, first=True)])
-                    yield view.chunk(rid, [view.finish(i, answer)])
+                    yield view.chunk(rid, [view.delta(base + i, answer.text, answer.positions, first=True)])
+                    yield view.chunk(rid, [view.finish(base + i, answer)])
             else:
                 deltas = []
                 async for piece in self._token_chunks(ctx, deltas):
@@ -265,7 +272,10 @@ class CalibratedService:
                 served = self.calibrate(await ctx.scorer.read(ctx.job, outs), ctx)
                 await self.record(served, ctx)
                 for i, answer in enumerate(served.answers):
-                    yield view.chunk(rid, [view.finish(i, answer)])
+                    yield view.chunk(rid, [view.finish(base + i, answer)])
+            if ctx.batched:
+                ctx.usage = served.usage()
+                return
             if ctx.request.stream_options is not None and ctx.request.stream_options.include_usage:
                 yield view.chunk(rid, [], served.usage())
             yield "data: [DONE]\n\n"
@@ -279,6 +289,7 @@ class CalibratedService:
             deltas.append(delta)
             if delta.text or delta.token_ids:
                 positions = partial(self.positions, delta)
-                yield ctx.view.chunk(ctx.response_id, [ctx.view.delta(delta.index, delta.text, positions,
-                                                                      first=delta.index not in started)])
+                choice = ctx.view.delta(ctx.first_index + delta.index, delta.text, positions,
+                                        first=delta.index not in started)
+                yield ctx.view.chunk(ctx.response_id, [choice])
                 started.add(delta.index)

@@ -45,6 +45,11 @@ class Served:
     response_id: str
     answers: list[Answer]
     prompt_tokens: int
+    first_index: int = 0  # the first answer's choice index (a response to several prompts numbers them on)
+
+    def key(self, i: int) -> str:
+        """The stored id of answer i."""
+        return response_key(self.response_id, self.first_index + i)
 
     def usage(self) -> UsageInfo:
         completion = sum(a.completion_tokens for a in self.answers)
@@ -72,12 +77,12 @@ class WireView:
         if self.chat:
             return ChatCompletionResponse(
                 id=served.response_id, model=self.model, usage=served.usage(),
-                choices=[ChatChoice(index=i, message=ChatMessageOut(content=a.text), finish_reason=a.finish_reason,
+                choices=[ChatChoice(index=served.first_index + i, message=ChatMessageOut(content=a.text), finish_reason=a.finish_reason,
                                     logprobs=self.chat_logprobs(a.positions), calibration=a.calibration)
                          for i, a in enumerate(served.answers)])
         return CompletionResponse(
             id=served.response_id, model=self.model, usage=served.usage(),
-            choices=[CompletionChoice(index=i, text=self.echo + a.text, finish_reason=a.finish_reason,
+            choices=[CompletionChoice(index=served.first_index + i, text=self.echo + a.text, finish_reason=a.finish_reason,
                                       logprobs=self.completion_logprobs(a.positions), calibration=a.calibration)
                      for i, a in enumerate(served.answers)])
 

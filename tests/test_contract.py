@@ -40,7 +40,7 @@ def test_request_rules_are_in_the_schema(document):
     prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
     nonblank = re.compile(prompt[0]["pattern"])  # some character that is not Unicode white space, spelled out
     assert not any(nonblank.search(c) for c in WHITE_SPACE) and all(nonblank.search(c) for c in "x\x1c\u200b")
-    assert prompt[1]["maxItems"] == 1
+    assert prompt[1]["maxItems"] == 64
     assert len(schemas["Policy"]["oneOf"]) == 2
     put = document["paths"]["/admin/policies/{domain}"]["put"]
     assert put["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/Policy")

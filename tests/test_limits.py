@@ -119,3 +119,17 @@ def test_limits_are_documented_in_the_openapi_contract(tmp_path, path):
     app, _ = held_app(tmp_path)
     responses = app.openapi()["paths"][path]["post"]["responses"]
     assert {"413", "429", "504"} <= set(responses)
+
+
+def test_refused_requests_give_their_slot_back_and_several_prompts_hold_one_each(tmp_path):
+    app, engine = held_app(tmp_path, max_in_flight=3)
+    unknown = lambda c: c.post("/v1/chat/completions", json={**BODY, "calm": {"version": "nope"}})  # noqa: E731
+    assert [r.status_code for r in run(app, [unknown] * 5)] == [404] * 5
+    assert app.state.gateway.in_flight.count == 0  # a 404 for the version kept its slot once: 256 typos, then 429s
+    two = lambda c: c.post("/v1/completions", json={"model": "m", "max_tokens": 2, "prompt": ["a", "b"]})  # noqa: E731
+    post = lambda c: c.post("/v1/chat/completions", json=BODY)  # noqa: E731
+    results = run(app, [two, post, post], engine, release_after=1)  # 2 + 1 + 1 slots asked of 3
+    assert sorted(r.status_code for r in results) == [200, 200, 429]
+    assert app.state.gateway.in_flight.count == 0
+    (r,) = run(app, [lambda c: c.post("/v1/completions", json={"model": "m", "max_tokens": 2, "prompt": list("abcd")})])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "send fewer" in r.json()["error"]["message"]

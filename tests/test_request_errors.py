@@ -25,7 +25,8 @@ def client(http):
 
 REFUSED = [  # (endpoint, arguments, param, words of the message)
     ("completions", dict(prompt="   "), "prompt", "prompt: must not be empty or blank"),
-    ("completions", dict(prompt=["A", "B"]), "prompt", "one prompt per request (this list has 2)"),
+    ("completions", dict(prompt=["A"] * 65), "prompt", "at most 64 prompts per request (this list has 65)"),
+    ("completions", dict(prompt=[[1, 2], [3]]), "prompt", "token-id prompts are not supported"),
     ("completions", dict(prompt=[1, 2, 3]), "prompt", "token-id prompts are not supported"),
     ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]),
      "messages.0.content.0.type", "content parts of type 'image_url' are not supported"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from gateway.protocol.common import StrictInt
-from gateway.protocol.openai import MAX_CHOICES
+from gateway.protocol.openai import MAX_CHOICES, MAX_PROMPTS
 
 
 class FeedbackRequest(BaseModel):
@@ -13,7 +13,8 @@ class FeedbackRequest(BaseModel):
 
     response_id: StrictStr = Field(min_length=1)
     correct: StrictBool
-    choice_index: StrictInt = Field(default=0, ge=0, lt=MAX_CHOICES)  # which choice of an n > 1 response
+    # Which choice of a response with several (n > 1, or several prompts: prompt i's answer j is choice i * n + j).
+    choice_index: StrictInt = Field(default=0, ge=0, lt=MAX_CHOICES * MAX_PROMPTS)
 
 
 class FeedbackResponse(BaseModel):

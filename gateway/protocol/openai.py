@@ -19,6 +19,7 @@ from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 from gateway.protocol.common import NONBLANK, StrictInt, blank
 
 MAX_CHOICES = 16  # n; each choice is a full generation
+MAX_PROMPTS = 64  # completions: prompts in one request (each answered as its own request would be)
 MAX_TOP_LOGPROBS = 20  # the engines' max_logprobs
 MAX_STOP = 4
 MAX_SAMPLES = 32  # semantic confidence: answers sampled in one engine call
@@ -193,24 +194,24 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": REQUEST_RULES})
 
     prompt: Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)] | Annotated[
-        list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]], Field(min_length=1, max_length=1)]
+        list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: StrictInt = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt):
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            prompt = prompt[0]
-        if blank(prompt):
+    def _nonblank_prompts(cls, prompt):
+        if any(blank(p) for p in ([prompt] if isinstance(prompt, str) else prompt)):
             raise ValueError("prompt must not be empty")
-        return prompt
+        return prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt
+
+    def prompts(self) -> list[str]:
+        """Each prompt of the request (a list asks for each one's answers in one response, as vLLM's server does)."""
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def question_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        return self.prompts()[0]
 
 
 class OptionProbability(BaseModel):

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
+from gateway import batch
 from gateway.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
 from gateway.escalation import HOP_HEADER
@@ -76,33 +77,35 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
                  key: ClientKey | None, escalated: bool = False) -> Response:
     start = time.perf_counter()
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
+    slots = len(req.prompts()) if endpoint == "completions" else 1
     try:
         gateway.keyring.admit(key, domain)
-        gateway.in_flight.acquire()
-        deployment = serving(gateway, req, domain)
+        deployment = serving(gateway, req, domain)  # before the slots: a 404 here must not keep one
+        gateway.in_flight.acquire(slots)
         deployment.in_flight += 1
         held = False
         try:
             async with deadline(gateway.settings.request_deadline_s):
                 service = deployment.service
-                ctx = service.prepare_chat(req, domain) if endpoint == "chat" else service.prepare_completion(req, domain)
-                ctx.drift = deployment is gateway.deployments.for_domain(domain)
-                ctx.handoff = not escalated
+                ctxs = [service.prepare_chat(req, domain)] if endpoint == "chat" else batch.contexts(service, req, domain)
+                for ctx in ctxs:
+                    ctx.drift = deployment is gateway.deployments.for_domain(domain)
+                    ctx.handoff = not escalated
                 if req.stream:  # the slots are held until the stream's last chunk
-                    stream = held_until_done(counted(gateway, endpoint, domain, service.stream(ctx)), deployment)
+                    stream = held_until_done(counted(gateway, endpoint, domain, batch.stream(service, ctxs)), deployment)
                     held = True
                 else:
-                    body = await service.complete(ctx)
+                    body = await batch.complete(service, ctxs)
         finally:
             if not held:
-                gateway.in_flight.release()
+                gateway.in_flight.release(slots)
                 deployment.in_flight -= 1
     except Exception as e:
         count_error(gateway, endpoint, domain, e)
         raise
     gateway.metrics.requests_of(endpoint, domain, "200").inc()
     if held:
-        return StreamingResponse(gateway.in_flight.hold_stream(stream), media_type="text/event-stream",
+        return StreamingResponse(gateway.in_flight.hold_stream(stream, slots), media_type="text/event-stream",
                                  headers=calibration_headers(None, domain, service.engine.artifact_version))
     gateway.metrics.latency_of(endpoint, domain).observe(time.perf_counter() - start)
     first = body.choices[0].calibration
