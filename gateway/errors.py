@@ -95,6 +95,10 @@ REFUSED_PARAMETERS = {
     "allowed_token_ids": "the gateway restricts tokens itself in multiple-choice mode; use `options`",
     "logprob_token_ids": "the gateway chooses the scored tokens itself in multiple-choice mode; use `options`",
     "vllm_xargs": "engine-level arguments are reserved for the gateway (they switch the α head)",
+    "previous_response_id": "responses are not stored here: send the conversation in `input`",
+    "background": "answers are given while the request waits; nothing runs in the background",
+    "reasoning": "the served model does not reason apart from its answer",
+    "include": "nothing beyond the answer and its calibration can be included",
 }
 
 
@@ -105,7 +109,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     kind = first.get("type")
     if kind == "json_invalid":
         return "request body is not valid JSON", None
-    if kind == "extra_forbidden":
+    if kind == "extra_forbidden" or (kind in ("too_long", "literal_error") and loc and loc[-1] in REFUSED_PARAMETERS):
         reason = REFUSED_PARAMETERS.get(loc[-1] if loc else "", "this gateway does not support it")
         return f"unsupported parameter {param!r}: {reason}", param
     if kind == "string_pattern_mismatch" and (first.get("ctx") or {}).get("pattern") == NONBLANK:

@@ -125,6 +125,26 @@ def test_options_question_in_the_prompt_is_detected(client):
     assert cal["domain"] == "other"
 
 
+def test_a_responses_api_answer_is_the_chat_answer_on_the_real_engine(client):
+    """The same multiple-choice question through /v1/responses and /v1/chat/completions: the same option and the same
+    calibrated distribution (one path), and a free-form answer with the same text and confidence."""
+    question, options = "Which gas do plants absorb?", ["oxygen", "carbon dioxide", "helium"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                          extra_body={"options": options}, metadata={"domain": "science"})
+    response = client.responses.create(model=MODEL, input=question, extra_body={"options": options},
+                                       metadata={"domain": "science"})
+    mine, theirs = response.model_extra["calibration"], calibration(chat.choices[0])
+    assert response.output_text == chat.choices[0].message.content and mine["mode"] == "multiple_choice"
+    assert [o["probability"] for o in mine["options"]] == pytest.approx([o["probability"] for o in theirs["options"]],
+                                                                        abs=1e-6)
+    asked = "What is the capital of France?"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": asked}], max_tokens=8)
+    response = client.responses.create(model=MODEL, input=asked, max_output_tokens=8)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.model_extra["calibration"]["confidence"] == pytest.approx(calibration(chat.choices[0])["confidence"],
+                                                                             abs=1e-6)
+
+
 def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
                                        max_tokens=12, logprobs=True)

@@ -85,6 +85,15 @@ CASES = [
     Case("`stream` + `stream_options.include_usage` (completions)", "completions",
          dict(prompt="The capital of France is", max_tokens=6, stream=True, stream_options={"include_usage": True},
               logprobs=1)),
+    Case("`/v1/responses`: `input` text, `max_output_tokens`", "responses",
+         dict(input="What is the capital of France?", max_output_tokens=8)),
+    Case("`/v1/responses`: `instructions`, `input` messages", "responses",
+         dict(instructions="Answer briefly.", input=[{"role": "user", "content": "Name a primary colour."},
+                                                     {"role": "assistant", "content": "Red."},
+                                                     {"role": "user", "content": [{"type": "input_text", "text": "Another?"}]}],
+              max_output_tokens=12)),
+    Case("`/v1/responses` + `stream`", "responses",
+         dict(input="Count from one to ten, separated by commas.", max_output_tokens=10, stream=True)),
     Case("`user`, `metadata`", "chat", dict(messages=CAPITAL, max_tokens=6, user="u-42", metadata={"team": "qa"})),
     Case("`tools` / `tool_choice`", "chat",
          dict(messages=CAPITAL, max_tokens=8, tool_choice="auto", tools=[{"type": "function", "function": {
@@ -144,7 +153,7 @@ def clients(stack):
 def call(client: openai.OpenAI, case: Case):
     """The SDK's typed response (streams: the list of chunks), or the APIStatusError. Temperature is explicit:
     omitted, vLLM samples at 1.0 and the gateway answers greedily (docs/api.md)."""
-    api = client.chat.completions if case.endpoint == "chat" else client.completions
+    api = {"chat": client.chat.completions, "completions": client.completions, "responses": client.responses}[case.endpoint]
     try:
         result = api.create(model=MODEL, **{"temperature": 0.0, **case.kwargs})
         return list(result) if case.kwargs.get("stream") else result
@@ -166,9 +175,24 @@ def _logprob_rows(choice) -> list[tuple[str, float, list[tuple[str, float]]]]:
     return [(tok, v, list((alts or {}).items())) for tok, v, alts in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
 
 
+def _response_choice(response) -> dict:
+    """A Responses API response as the one choice it holds (its status standing for the finish reason)."""
+    return {"text": response.output_text, "finish": response.status, "rows": [],
+            "calibration": (response.model_extra or {}).get("calibration")}
+
+
+def _response_usage(response) -> dict:
+    u = response.usage
+    return {"prompt_tokens": u.input_tokens, "completion_tokens": u.output_tokens, "total_tokens": u.total_tokens}
+
+
 def _merge_stream(chunks) -> tuple[dict[int, dict], object]:
     """A stream's choices (text, finish reason, log-prob rows, calibration) and its usage chunk's usage."""
     choices, usage = {}, None
+    if chunks and hasattr(chunks[0], "sequence_number"):  # Responses API events: the final response, its deltas
+        final = chunks[-1].response
+        assert "".join(e.delta for e in chunks if e.type == "response.output_text.delta") == final.output_text
+        return {0: _response_choice(final)}, _response_usage(final)
     for chunk in chunks:
         if chunk.usage is not None and not chunk.choices:
             usage = chunk.usage
@@ -184,7 +208,9 @@ def _merge_stream(chunks) -> tuple[dict[int, dict], object]:
 def _normalise(result) -> tuple[dict[int, dict], dict | None]:
     if isinstance(result, list):
         choices, usage = _merge_stream(result)
-        return choices, usage.model_dump() if usage is not None else None
+        return choices, usage if isinstance(usage, dict) or usage is None else usage.model_dump()
+    if getattr(result, "object", None) == "response":
+        return {0: _response_choice(result)}, _response_usage(result)
     choices = {c.index: {"text": _text(c), "finish": c.finish_reason, "rows": _logprob_rows(c),
                          "calibration": (c.model_extra or {}).get("calibration")} for c in result.choices}
     return choices, result.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})

@@ -151,7 +151,7 @@ REQUEST_RULES = [
          "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}},
 ]
 
-_USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
+USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"const": "user"},
     "content": {"anyOf": [{"type": "string", "pattern": NONBLANK},
                           {"type": "array", "contains": {"type": "object", "required": ["type", "text"],
@@ -166,7 +166,7 @@ class ChatCompletionRequest(SamplingFields):
         *REQUEST_RULES,
     ]})
 
-    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": _USER_TEXT})
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": USER_TEXT})
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False

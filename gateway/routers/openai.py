@@ -13,13 +13,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
-from gateway import batch
+from gateway import batch, responses
 from gateway.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
 from gateway.escalation import HOP_HEADER
 from gateway.keys import ClientKey
 from gateway.limits import deadline
+from gateway.pipeline import CalibratedService, RequestContext
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
+from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.deps import client, documented, state
 from gateway.state import GatewayState
 from gateway.wire import calibration_headers
@@ -42,6 +44,13 @@ async def completions(req: CompletionRequest, raw_request: Request, x_calm_domai
                         escalated_here(raw_request))
 
 
+@router.post("/v1/responses", responses=ANSWER_ERRORS)
+async def responses_api(req: ResponsesRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
+                        key: ClientKey | None = Depends(client)):
+    return await answer(raw_request.app.state.gateway, "responses", req, x_calm_domain, key,
+                        escalated_here(raw_request))
+
+
 @router.get("/v1/models", responses=documented(401))
 async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)) -> ModelList:
     return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
@@ -59,7 +68,7 @@ def escalated_here(raw_request: Request) -> bool:
     return HOP_HEADER in raw_request.headers
 
 
-def serving(gateway: GatewayState, req: SamplingFields, domain: str) -> Deployment:
+def serving(gateway: GatewayState, req: SamplingFields | ResponsesRequest, domain: str) -> Deployment:
     """The domain's deployment, or the version the request names: one this replica serves, else a 404 as for an
     unknown model (a path never gets here: the name's pattern refuses it with a 400)."""
     version = req.calm.version if req.calm is not None else None
@@ -73,7 +82,7 @@ def serving(gateway: GatewayState, req: SamplingFields, domain: str) -> Deployme
     return deployment
 
 
-async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, domain_header: str | None,
+async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | ResponsesRequest, domain_header: str | None,
                  key: ClientKey | None, escalated: bool = False) -> Response:
     start = time.perf_counter()
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
@@ -87,12 +96,15 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
         try:
             async with deadline(gateway.settings.request_deadline_s):
                 service = deployment.service
-                ctxs = [service.prepare_chat(req, domain)] if endpoint == "chat" else batch.contexts(service, req, domain)
+                ctxs = contexts(service, endpoint, req, domain)
                 for ctx in ctxs:
                     ctx.drift = deployment is gateway.deployments.for_domain(domain)
                     ctx.handoff = not escalated
                 if req.stream:  # the slots are held until the stream's last chunk
-                    stream = held_until_done(counted(gateway, endpoint, domain, batch.stream(service, ctxs)), deployment)
+                    chunks = batch.stream(service, ctxs)
+                    if endpoint == "responses":
+                        chunks = responses.events(chunks, req, ctxs[0].response_id)
+                    stream = held_until_done(counted(gateway, endpoint, domain, chunks), deployment)
                     held = True
                 else:
                     body = await batch.complete(service, ctxs)
@@ -109,8 +121,20 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields, doma
                                  headers=calibration_headers(None, domain, service.engine.artifact_version))
     gateway.metrics.latency_of(endpoint, domain).observe(time.perf_counter() - start)
     first = body.choices[0].calibration
+    if endpoint == "responses":
+        body = responses.from_chat(body, req)
     return Response(body.model_dump_json(), media_type="application/json",
                     headers=calibration_headers(first, first.domain, first.artifact_version))
+
+
+def contexts(service: CalibratedService, endpoint: str, req, domain: str) -> list[RequestContext]:
+    """What the request asks of the version's path: a chat completion, one per prompt, or the chat completion a
+    Responses API request describes."""
+    if endpoint == "chat":
+        return [service.prepare_chat(req, domain)]
+    if endpoint == "completions":
+        return batch.contexts(service, req, domain)
+    return [responses.context(service, req, domain)]
 
 
 def count_error(gateway: GatewayState, endpoint: str, domain: str, exc: BaseException) -> ErrorClass:
