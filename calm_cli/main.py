@@ -66,10 +66,16 @@ def keys_create(
     rate: Annotated[Optional[float], typer.Option(help="requests per minute (token bucket); unlimited if unset")] = None,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
+    import re
+
     from gateway.keys import issue_key
+    from gateway.protocol.common import DOMAIN_NAME
 
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
+    for name_ in domain or []:  # requests' domains are lower-cased: any other spelling would never match
+        if not re.match(DOMAIN_NAME, name_):
+            raise CalmError(f"--domain {name_!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
     created = issue_key(_store(), name, list(domain) if domain else None, rate)
     typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
 

@@ -32,6 +32,11 @@ def test_unknown_dataset():
     assert_one_line_error(run_calm("eval", "-d", "arc_medium"), "unknown dataset 'arc_medium'")
 
 
+def test_a_key_for_a_domain_no_request_can_name_is_refused(tmp_path):
+    proc = run_calm("keys", "create", "--name", "team", "--domain", "Medicine", env={"CALM_DB_PATH": str(tmp_path / "g.db")})
+    assert_one_line_error(proc, "--domain 'Medicine': a domain is lower-case letters")
+
+
 def test_missing_data_file(tmp_path):
     proc = run_calm("eval", "-d", "arc_easy", env={"CALM_DATA_DIR": str(tmp_path)})
     assert_one_line_error(proc, "data file not found")
