@@ -122,7 +122,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if kind == "literal_error" and loc[-3:-2] == ["content"] and loc[-1] == "type":
         return (f"{param}: content parts of type {first.get('input')!r} are not supported: the model reads text parts "
                 "only"), param
-    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
+    message = str(first.get("msg")).removeprefix("Value error, ")  # a validator's own words need no prefix
+    return (f"{param}: {message}" if param else message), param
 
 
 def _location(error: dict) -> list[str]:

@@ -26,7 +26,8 @@ def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> R
         error = e.errors()[0]
         where = [str(p) for p in error["loc"]]
         param = ".".join(["input", *where[1:]] if where[:1] == ["messages"] else where) or None
-        raise APIError(400, f"{param}: {error['msg']}" if param else error["msg"], param=param) from None
+        message = error["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
     ctx = service.prepare_chat(chat, domain)
     ctx.response_id = f"resp_{ctx.job.request.request_id}"  # the id feedback names
     return ctx

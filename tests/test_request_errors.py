@@ -31,6 +31,8 @@ REFUSED = [  # (endpoint, arguments, param, words of the message)
     ("chat", dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]),
      "messages.0.content.0.type", "content parts of type 'image_url' are not supported"),
     ("chat", dict(messages=QUESTION, extra_body={"options": ["Paris", " "]}), "options.1", "must not be empty or blank"),
+    ("chat", dict(messages=[{"role": "system", "content": "rules"}]), "messages",
+     "messages: must contain at least one non-empty user message"),  # a validator's words, without pydantic's prefix
     # Errors in two fields: the first one the request has is reported, as before.
     ("chat", dict(messages=QUESTION, temperature="x", n=0), "temperature", "Input should be a valid number"),
 ]

@@ -84,7 +84,7 @@ def test_a_stream_is_the_responses_event_sequence_ending_with_the_calibrated_res
     (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools", "tool-call parser"),
     (dict(reasoning={"effort": "low"}), "reasoning", "does not reason"),
     (dict(input="  "), "input", "must not be empty or blank"),
-    (dict(input=[{"role": "system", "content": "rules"}]), "input", "at least one non-empty user message"),
+    (dict(input=[{"role": "system", "content": "rules"}]), "input", "input: must contain at least one non-empty user"),
 ])
 def test_what_the_gateway_cannot_honour_is_refused_by_name(served, extra, param, words):
     client, engine = served

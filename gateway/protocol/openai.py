@@ -176,7 +176,7 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _has_user_text(cls, messages):
         if not any(m.role == "user" and not blank(m.text()) for m in messages):
-            raise ValueError("messages must contain at least one non-empty user message")
+            raise ValueError("must contain at least one non-empty user message")
         return messages
 
     @model_validator(mode="after")
