@@ -86,7 +86,8 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
     db = work / "gateway.sqlite3"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {"CALM_DB_PATH": str(db), "CALM_REGISTRY_DIR": str(work / "registry")}
+    # The policy writes go to a domain of their own, which requests may name (a policy elsewhere would be refused).
+    env = {"CALM_DB_PATH": str(db), "CALM_REGISTRY_DIR": str(work / "registry"), "CALM_DOMAINS": '["load"]'}
     with running(calm_argv("serve", "--port", str(port)), f"{url}/health", work / "gateway.log", env) as gateway:
         samples: list = []
         stop = threading.Event()
