@@ -98,7 +98,6 @@ REFUSED_PARAMETERS = {
     "previous_response_id": "responses are not stored here: send the conversation in `input`",
     "background": "answers are given while the request waits; nothing runs in the background",
     "reasoning": "the served model does not reason apart from its answer",
-    "include": "nothing beyond the answer and its calibration can be included",
 }
 
 

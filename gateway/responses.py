@@ -34,12 +34,12 @@ def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> R
 
 
 def response(req: ResponsesRequest, response_id: str, text: str | None, finish_reason: str | None,
-             usage: UsageInfo | None, calibration: Calibration | None) -> ResponseObject:
+             usage: UsageInfo | None, calibration: Calibration | None, logprobs: list[dict] = ()) -> ResponseObject:
     """The response object; without text, the one a stream starts with (in progress, no output yet)."""
     cut = finish_reason == "length"
     status = "in_progress" if text is None else ("incomplete" if cut else "completed")
     output = [] if text is None else [OutputMessage(id=message_id(response_id), status=status,
-                                                    content=[OutputText(text=text)])]
+                                                    content=[OutputText(text=text, logprobs=list(logprobs))])]
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
     return ResponseObject(
         id=response_id, status=status, model=req.model, output=output,
@@ -57,7 +57,9 @@ def message_id(response_id: str) -> str:
 
 def from_chat(body: ChatCompletionResponse, req: ResponsesRequest) -> ResponseObject:
     choice = body.choices[0]
-    return response(req, body.id, choice.message.content, choice.finish_reason, body.usage, choice.calibration)
+    logprobs = [t.model_dump() for t in choice.logprobs.content or []] if choice.logprobs is not None else []
+    return response(req, body.id, choice.message.content, choice.finish_reason, body.usage, choice.calibration,
+                    logprobs)
 
 
 async def events(chunks: AsyncIterator[str], req: ResponsesRequest, response_id: str) -> AsyncIterator[str]:
@@ -74,20 +76,22 @@ async def events(chunks: AsyncIterator[str], req: ResponsesRequest, response_id:
     yield event("response.output_item.added", output_index=0, item=OutputMessage(
         id=item, status="in_progress", content=[]).model_dump())
     yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
-    text, finish, usage, calibration = "", None, None, None
+    text, finish, usage, calibration, logprobs = "", None, None, None, []
     async for piece in chunks:
         if not piece.startswith("data: {"):
             continue  # [DONE]
         chunk = json.loads(piece.removeprefix("data: "))
         usage = UsageInfo(**chunk["usage"]) if chunk.get("usage") else usage
         for choice in chunk["choices"]:
-            if delta := (choice.get("delta") or {}).get("content"):
-                text += delta
-                yield event("response.output_text.delta", **where, delta=delta, logprobs=[])
+            delta = (choice.get("delta") or {}).get("content") or ""
+            tokens = (choice.get("logprobs") or {}).get("content") or []  # a token may decode to no text yet
+            if delta or tokens:
+                text, logprobs = text + delta, logprobs + tokens
+                yield event("response.output_text.delta", **where, delta=delta, logprobs=tokens)
             if choice.get("calibration"):
                 finish, calibration = choice["finish_reason"], Calibration(**choice["calibration"])
-    done = response(req, response_id, text, finish, usage, calibration)
-    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    done = response(req, response_id, text, finish, usage, calibration, logprobs)
+    yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
     yield event("response.content_part.done", **where, part=done.output[0].content[0].model_dump())
     yield event("response.output_item.done", output_index=0, item=done.output[0].model_dump())
     yield event(f"response.{done.status}", response=done.model_dump())

@@ -92,8 +92,12 @@ CASES = [
                                                      {"role": "assistant", "content": "Red."},
                                                      {"role": "user", "content": [{"type": "input_text", "text": "Another?"}]}],
               max_output_tokens=12)),
-    Case("`/v1/responses` + `stream`", "responses",
-         dict(input="Count from one to ten, separated by commas.", max_output_tokens=10, stream=True)),
+    Case("`/v1/responses`: `include` log-probs + `top_logprobs`", "responses",
+         dict(input="What is the capital of France?", max_output_tokens=6, include=["message.output_text.logprobs"],
+              top_logprobs=3)),
+    Case("`/v1/responses` + `stream` (log-probs included)", "responses",
+         dict(input="Count from one to ten, separated by commas.", max_output_tokens=10, stream=True,
+              include=["message.output_text.logprobs"], top_logprobs=2)),
     Case("`user`, `metadata`", "chat", dict(messages=CAPITAL, max_tokens=6, user="u-42", metadata={"team": "qa"})),
     Case("`tools` / `tool_choice`", "chat",
          dict(messages=CAPITAL, max_tokens=8, tool_choice="auto", tools=[{"type": "function", "function": {
@@ -177,7 +181,9 @@ def _logprob_rows(choice) -> list[tuple[str, float, list[tuple[str, float]]]]:
 
 def _response_choice(response) -> dict:
     """A Responses API response as the one choice it holds (its status standing for the finish reason)."""
-    return {"text": response.output_text, "finish": response.status, "rows": [],
+    rows = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs or []])
+            for item in response.output for part in item.content for t in part.logprobs or []]
+    return {"text": response.output_text, "finish": response.status, "rows": rows,
             "calibration": (response.model_extra or {}).get("calibration")}
 
 

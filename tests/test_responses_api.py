@@ -61,6 +61,20 @@ def test_a_response_is_the_chat_answer_with_its_calibration(served):
     assert (cut.status, cut.incomplete_details.reason, cut.output_text) == ("incomplete", "max_output_tokens", "Hi")
 
 
+def test_token_log_probs_come_when_included(served):
+    """The answer's tokens ("Hi", " there": ids 7 and 8, "G" and "H" in the tiny vocabulary) with their calibrated
+    log-probs and alternatives, whole or streamed with each delta."""
+    client, _ = served
+    asked = dict(model="m", input="hello", include=["message.output_text.logprobs"], top_logprobs=1)
+    whole = client.responses.create(**asked).output[0].content[0].logprobs
+    assert [(t.token, round(t.logprob, 6), [a.token for a in t.top_logprobs]) for t in whole] == [
+        ("G", -0.1, ["G"]), ("H", -0.1, ["H"])]
+    events = list(client.responses.create(**asked, stream=True))
+    assert [[t.token for t in e.logprobs] for e in events if e.type == "response.output_text.delta"] == [["G"], ["H"]]
+    assert [t.token for t in events[-1].response.output[0].content[0].logprobs] == ["G", "H"]
+    assert client.responses.create(model="m", input="hello").output[0].content[0].logprobs == []
+
+
 def test_a_stream_is_the_responses_event_sequence_ending_with_the_calibrated_response(served):
     client, _ = served
     events = list(client.responses.create(model="m", input="hello", stream=True))
@@ -83,6 +97,7 @@ def test_a_stream_is_the_responses_event_sequence_ending_with_the_calibrated_res
     (dict(previous_response_id="resp_1"), "previous_response_id", "send the conversation in `input`"),
     (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools", "tool-call parser"),
     (dict(reasoning={"effort": "low"}), "reasoning", "does not reason"),
+    (dict(include=["file_search_call.results"]), "include.0", "message.output_text.logprobs"),
     (dict(input="  "), "input", "must not be empty or blank"),
     (dict(input=[{"role": "system", "content": "rules"}]), "input", "input: must contain at least one non-empty user"),
 ])

@@ -15,7 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 from gateway.protocol.common import NONBLANK, StrictInt
-from gateway.protocol.openai import USER_TEXT, Calibration, CalmOptions, ChatCompletionRequest, OpenAIModel
+from gateway.protocol.openai import (
+    MAX_TOP_LOGPROBS, USER_TEXT, Calibration, CalmOptions, ChatCompletionRequest, OpenAIModel,
+)
 
 
 class TextIn(BaseModel):
@@ -84,6 +86,8 @@ class ResponsesRequest(OpenAIModel):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     text: TextConfig | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None  # the answer's token log-probs
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     stream: StrictBool = False
     store: StrictBool | None = None  # accepted; nothing is kept for retrieval
     metadata: dict[StrictStr, StrictStr] | None = None
@@ -106,6 +110,8 @@ class ResponsesRequest(OpenAIModel):
                     temperature=self.temperature, top_p=self.top_p, stream=self.stream, metadata=self.metadata,
                     user=self.user, options=self.options, calm=self.calm,
                     response_format=self.text.format.response_format() if self.text and self.text.format else None)
+        if self.include:
+            chat.update(logprobs=True, top_logprobs=self.top_logprobs)
         if self.stream:
             chat["stream_options"] = {"include_usage": True}  # the completed event carries the usage
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
