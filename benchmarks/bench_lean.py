@@ -198,9 +198,9 @@ def lua_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def run_wrk(url: str, script: Path, seconds: int, connections: int) -> dict:
+def run_wrk(url: str, script: Path, seconds: int, connections: int, path: str = "/v1/chat/completions") -> dict:
     out = subprocess.run(["taskset", "-c", "1", wrk_binary(), "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
-                          "-s", str(script), f"{url}/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+                          "-s", str(script), f"{url}{path}"], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", out)
     scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]

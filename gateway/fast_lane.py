@@ -1,4 +1,5 @@
-"""The answer routes' fast lane: a valid POST to /v1/chat/completions or /v1/completions is served straight from ASGI.
+"""The answer routes' fast lane: a valid POST to /v1/chat/completions, /v1/completions or /v1/responses is served
+straight from ASGI.
 
 FastAPI stays the contract: the routes, their OpenAPI schema and every other path are its, and so is every request
 the lane does not take. The lane only skips the framework's per-request machinery on the hot path (routing, the
@@ -21,10 +22,12 @@ from gateway.errors import classified_response
 from gateway.escalation import HOP_HEADER
 from gateway.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.openai import answer
 from gateway.state import GatewayState
 
-ROUTES = {"/v1/chat/completions": ("chat", ChatCompletionRequest), "/v1/completions": ("completions", CompletionRequest)}
+ROUTES = {"/v1/chat/completions": ("chat", ChatCompletionRequest), "/v1/completions": ("completions", CompletionRequest),
+          "/v1/responses": ("responses", ResponsesRequest)}
 _HOP = HOP_HEADER.lower().encode()
 _WANTED = (b"authorization", b"content-length", b"content-type", b"x-calm-domain", _HOP)
 

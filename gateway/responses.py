@@ -6,9 +6,9 @@ in progress, the message and its text part added, text deltas, text done, part a
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import AsyncIterator
 
+from msgspec.json import decode, encode
 from pydantic import ValidationError
 
 from gateway.errors import APIError
@@ -67,20 +67,21 @@ async def events(chunks: AsyncIterator[str], req: ResponsesRequest, response_id:
     numbers, item = itertools.count(), message_id(response_id)
 
     def event(kind: str, **fields) -> str:
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(numbers), **fields})}\n\n"
+        body = encode({"type": kind, "sequence_number": next(numbers), **fields}).decode()
+        return f"event: {kind}\ndata: {body}\n\n"
 
+    # The events that carry nothing of the answer leave together: one write each at the start and at the end.
     where = dict(item_id=item, output_index=0, content_index=0)
     started = response(req, response_id, None, None, None, None).model_dump()
-    yield event("response.created", response=started)
-    yield event("response.in_progress", response=started)
-    yield event("response.output_item.added", output_index=0, item=OutputMessage(
-        id=item, status="in_progress", content=[]).model_dump())
-    yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
+    yield (event("response.created", response=started) + event("response.in_progress", response=started)
+           + event("response.output_item.added", output_index=0,
+                   item=OutputMessage(id=item, status="in_progress", content=[]).model_dump())
+           + event("response.content_part.added", **where, part=OutputText(text="").model_dump()))
     text, finish, usage, calibration, logprobs = "", None, None, None, []
     async for piece in chunks:
         if not piece.startswith("data: {"):
             continue  # [DONE]
-        chunk = json.loads(piece.removeprefix("data: "))
+        chunk = decode(piece[6:])
         usage = UsageInfo(**chunk["usage"]) if chunk.get("usage") else usage
         for choice in chunk["choices"]:
             delta = (choice.get("delta") or {}).get("content") or ""
@@ -90,8 +91,9 @@ async def events(chunks: AsyncIterator[str], req: ResponsesRequest, response_id:
                 yield event("response.output_text.delta", **where, delta=delta, logprobs=tokens)
             if choice.get("calibration"):
                 finish, calibration = choice["finish_reason"], Calibration(**choice["calibration"])
-    done = response(req, response_id, text, finish, usage, calibration, logprobs)
-    yield event("response.output_text.done", **where, text=text, logprobs=logprobs)
-    yield event("response.content_part.done", **where, part=done.output[0].content[0].model_dump())
-    yield event("response.output_item.done", output_index=0, item=done.output[0].model_dump())
-    yield event(f"response.{done.status}", response=done.model_dump())
+    done = response(req, response_id, text, finish, usage, calibration, logprobs).model_dump()
+    message = done["output"][0]
+    yield (event("response.output_text.done", **where, text=text, logprobs=logprobs)
+           + event("response.content_part.done", **where, part=message["content"][0])
+           + event("response.output_item.done", output_index=0, item=message)
+           + event(f"response.{done['status']}", response=done))

@@ -90,6 +90,7 @@ BLOCKS = [
     Block("free-form-batching", "python benchmarks/bench_free_form_batching.py", RESULTS / "free_form_batching.md"),
     Block("added-latency", "python benchmarks/bench_added_latency.py --rounds 3 --questions 24", RESULTS / "added_latency.md"),
     Block("dashboard", "python benchmarks/dashboard_run.py", RESULTS / "dashboard.md"),
+    Block("responses-api", "python benchmarks/bench_responses_api.py", RESULTS / "responses_api.md"),
 ]
 
 

@@ -13,7 +13,7 @@ from tests.test_client_keys import make_app
 from tests.test_gateway_logic import _tiny_tokenizer
 
 VALID = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": {"domain": "science"}}
-VOLATILE = {"id", "created"}  # per-response values
+VOLATILE = {"id", "created", "created_at"}  # per-response values
 
 
 class Counting:
@@ -33,6 +33,8 @@ def _shape(response: httpx.Response) -> tuple:
     body = response.json() if response.headers.get("content-type", "").startswith("application/json") else response.text
     if isinstance(body, dict):
         body = {k: v for k, v in body.items() if k not in VOLATILE}
+        for item in body.get("output", []):  # a response's message id follows its response id
+            item.pop("id")
     headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "date")}
     return response.status_code, body, headers
 
@@ -64,6 +66,8 @@ def test_the_lane_answers_valid_requests_itself_and_leaves_every_refusal_to_the_
         "completion": dict(url="/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}),
         "json content type with charset": dict(url="/v1/chat/completions", content=json.dumps(VALID),
                                                headers={"content-type": "application/json; charset=utf-8"}),
+        "response": dict(url="/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}),
+        "response refused": dict(url="/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": "r"}),
         "unknown model (404 from the handler)": dict(url="/v1/chat/completions", json={**VALID, "model": "other"}),
         "invalid JSON": dict(url="/v1/chat/completions", content=b"{not json",
                              headers={"content-type": "application/json"}),
@@ -77,7 +81,10 @@ def test_the_lane_answers_valid_requests_itself_and_leaves_every_refusal_to_the_
     for name, (via_lane, direct, reached) in results.items():
         assert via_lane == direct, name
     taken = {name for name, (_, _, reached) in results.items() if reached == 0}
-    assert taken == {"chat", "completion", "json content type with charset", "unknown model (404 from the handler)"}
+    assert taken == {"chat", "completion", "response", "json content type with charset",
+                     "unknown model (404 from the handler)"}
+    assert results["response"][0][1]["output"][0]["content"][0]["text"] == "Hi"
+    assert results["response refused"][0][0] == 400
     assert results["chat"][0][0] == 200 and results["chat"][0][1]["choices"][0]["calibration"]["domain"] == "science"
     assert results["unknown model (404 from the handler)"][0][0] == 404
     statuses = {name: results[name][0][0] for name in ("invalid JSON", "refused parameter", "no user message")}
