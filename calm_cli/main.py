@@ -66,16 +66,12 @@ def keys_create(
     rate: Annotated[Optional[float], typer.Option(help="requests per minute (token bucket); unlimited if unset")] = None,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
-    import re
-
     from gateway.keys import issue_key
-    from gateway.protocol.common import DOMAIN_NAME
 
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
-    for name_ in domain or []:  # requests' domains are lower-cased: any other spelling would never match
-        if not re.match(DOMAIN_NAME, name_):
-            raise CalmError(f"--domain {name_!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
+    for name_ in domain or []:
+        _served_domain(name_, other=True)
     created = issue_key(_store(), name, list(domain) if domain else None, rate)
     typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
 
@@ -514,6 +510,31 @@ def _registry():
     return Registry(_store(), settings.registry_root, settings.registry_url)
 
 
+def _served_domain(domain: str, other: bool) -> str:
+    """`domain` if requests can name it on a gateway with these settings (as the admin API checks): its default
+    version's reference domains, CALM_DOMAINS and `other` where allowed. Before any gateway has registered its
+    default version only the spelling can be checked. Anything else is stored but never applies."""
+    import re
+
+    from calm_core.artifact import read_manifest
+    from calm_core.registry import GLOBAL
+    from gateway.protocol.common import DOMAIN_NAME
+    from gateway.settings import GatewaySettings
+
+    if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
+        raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
+    registry = _registry()
+    default = registry.active().get(GLOBAL)
+    if default is None:
+        return domain
+    served = set(read_manifest(registry.path_of(default)).get("reference_histograms") or {})
+    served |= set(GatewaySettings().domains) | ({"other"} if other else set())
+    if domain not in served:
+        raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
+                        f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")
+    return domain
+
+
 def _echo_json(data) -> None:
     import json
 
@@ -549,6 +570,8 @@ def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="th
     """Make a version serve a domain (a candidate left for the operator, or any earlier one)."""
     from calm_core.registry import RegistryError
 
+    if domain != "*":
+        _served_domain(domain, other=False)
     try:
         previous = _registry().promote(version, domain, actor="cli")
     except RegistryError as e:
@@ -603,6 +626,7 @@ def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
 
     if method is not None and method not in METHODS:
         raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
+    _served_domain(domain, other=False)
     job, created = JobQueue(_store()).enqueue(domain, "operator", {"by": "cli", **({"method": method} if method else {})})
     typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
 

@@ -32,9 +32,24 @@ def test_unknown_dataset():
     assert_one_line_error(run_calm("eval", "-d", "arc_medium"), "unknown dataset 'arc_medium'")
 
 
-def test_a_key_for_a_domain_no_request_can_name_is_refused(tmp_path):
-    proc = run_calm("keys", "create", "--name", "team", "--domain", "Medicine", env={"CALM_DB_PATH": str(tmp_path / "g.db")})
-    assert_one_line_error(proc, "--domain 'Medicine': a domain is lower-case letters")
+def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(tmp_path, shipped_artifact):
+    """As the admin API refuses them: requests naming such a domain are served as 'other', so what is stored for it
+    never applies. Before a gateway has registered its default version, only the spelling can be checked."""
+    env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
+    assert_one_line_error(run_calm("keys", "create", "--name", "t", "--domain", "Medicine", env=env),
+                          "domain 'Medicine': a domain is lower-case letters")
+    assert run_calm("jobs", "create", "geo", env=env).returncode == 0  # no default version yet: not checkable
+    from calm_core.registry import Registry
+    from gateway.store import Store
+
+    store = Store(f"sqlite:///{tmp_path / 'g.db'}")
+    version = Registry(store, tmp_path / "registry").ensure_default(shipped_artifact.path)
+    store.close()
+    for argv in (("keys", "create", "--name", "t", "--domain", "legal"), ("jobs", "create", "legal"),
+                 ("artifacts", "promote", version, "--domain", "legal"), ("jobs", "create", "other")):
+        assert_one_line_error(run_calm(*argv, env=env), "is not a domain the gateway serves")
+    assert run_calm("jobs", "create", "medicine", env=env).returncode == 0  # a reference domain of the artifact
+    assert run_calm("keys", "create", "--name", "t", "--domain", "legal", env={**env, "CALM_DOMAINS": '["legal"]'}).returncode == 0
 
 
 def test_missing_data_file(tmp_path):
