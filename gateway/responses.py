@@ -19,16 +19,26 @@ from gateway.protocol.responses import (
 )
 
 
+# A chat request's fields as this request names them, for the errors the chat path raises.
+NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
 def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> RequestContext:
     try:
         chat = req.as_chat()
-    except ValidationError as e:  # a chat rule the request breaks, named as the request names it
+    except ValidationError as e:  # a chat rule the request breaks
         error = e.errors()[0]
         where = [str(p) for p in error["loc"]]
-        param = ".".join(["input", *where[1:]] if where[:1] == ["messages"] else where) or None
+        param = ".".join([NAMES.get(where[0], where[0]), *where[1:]]) if where else None
         message = error["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
-    ctx = service.prepare_chat(chat, domain)
+    try:
+        ctx = service.prepare_chat(chat, domain)
+    except APIError as e:  # a limit of the chat path (max_tokens, the context length)
+        if e.param in NAMES:
+            e.message, e.param = e.message.replace(e.param, NAMES[e.param], 1), NAMES[e.param]
+            e.args = (e.message,)
+        raise
     ctx.response_id = f"resp_{ctx.job.request.request_id}"  # the id feedback names
     return ctx
 

@@ -100,6 +100,8 @@ def test_a_stream_is_the_responses_event_sequence_ending_with_the_calibrated_res
     (dict(include=["file_search_call.results"]), "include.0", "message.output_text.logprobs"),
     (dict(input="  "), "input", "must not be empty or blank"),
     (dict(input=[{"role": "system", "content": "rules"}]), "input", "input: must contain at least one non-empty user"),
+    (dict(max_output_tokens=10**6), "max_output_tokens", "max_output_tokens 1000000 exceeds this gateway's limit"),
+    (dict(input="word " * 3000), "input", "maximum context length is 2048 tokens"),
 ])
 def test_what_the_gateway_cannot_honour_is_refused_by_name(served, extra, param, words):
     client, engine = served
