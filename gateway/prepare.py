@@ -68,8 +68,9 @@ class RequestPlanner:
 
     def _check_limits(self, req: SamplingFields, prompt: PreparedPrompt, max_tokens: int) -> None:
         if max_tokens > self.settings.max_tokens_limit:
-            raise APIError(400, f"max_tokens {max_tokens} exceeds this gateway's limit of {self.settings.max_tokens_limit}",
-                           param="max_tokens", code="max_tokens_exceeded")
+            named = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise APIError(400, f"{named} {max_tokens} exceeds this gateway's limit of {self.settings.max_tokens_limit}",
+                           param=named, code="max_tokens_exceeded")
         if prompt.multiple_choice and (shaping := req.shaping_parameters()):
             raise APIError(400, f"{shaping[0]} does not apply to multiple-choice answers (the answer is an option "
                            "chosen from the options' calibrated distribution; temperature and seed apply)",

@@ -33,6 +33,8 @@ REFUSED = [  # (endpoint, arguments, param, words of the message)
     ("chat", dict(messages=QUESTION, extra_body={"options": ["Paris", " "]}), "options.1", "must not be empty or blank"),
     ("chat", dict(messages=[{"role": "system", "content": "rules"}]), "messages",
      "messages: must contain at least one non-empty user message"),  # a validator's words, without pydantic's prefix
+    ("chat", dict(messages=QUESTION, max_completion_tokens=10**6), "max_completion_tokens",
+     "max_completion_tokens 1000000 exceeds this gateway's limit"),  # the field the caller used
     # Errors in two fields: the first one the request has is reported, as before.
     ("chat", dict(messages=QUESTION, temperature="x", n=0), "temperature", "Input should be a valid number"),
 ]
@@ -44,7 +46,7 @@ def test_a_refused_request_names_the_field_as_the_caller_wrote_it(client, endpoi
     and names the field without the branch's tag ('prompt', not 'prompt.constrained-str')."""
     create = client.completions.create if endpoint == "completions" else client.chat.completions.create
     with pytest.raises(openai.BadRequestError) as refused:
-        create(model="m", max_tokens=2, **arguments)
+        create(model="m", **{"max_tokens": 2, **arguments})
     error = refused.value.body
     assert (error["param"], error["type"]) == (param, "invalid_request_error")
     assert words in error["message"] and "str" not in error["param"] and "[" not in error["message"]
