@@ -1,8 +1,8 @@
-"""OpenAI-compatible routes: chat completions, completions, models.
+"""OpenAI-compatible routes: chat completions, completions (one prompt or several), responses, models.
 
 Each answer runs on the version serving its domain now (a swap during the request lets it finish on that one), under
-the in-flight limit and the request deadline; errors are counted per endpoint and domain, and a stream's failure
-becomes an SSE error event.
+the in-flight limit (a slot per prompt) and the request deadline; errors are counted per endpoint and domain, and a
+stream's failure becomes an SSE error event. A Responses API request runs as the chat completion it describes.
 """
 
 from __future__ import annotations
