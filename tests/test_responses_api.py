@@ -111,6 +111,14 @@ def test_what_the_gateway_cannot_honour_is_refused_by_name(served, extra, param,
     assert engine.prompts == []
 
 
+def test_retrieving_a_response_says_none_is_kept(served):
+    client, _ = served
+    answered = client.responses.create(model="m", input="hello")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.retrieve(answered.id)
+    assert missing.value.body["code"] == "response_not_found" and "keeps no response" in missing.value.body["message"]
+
+
 def test_the_values_clients_send_by_default_are_accepted(served):
     client, _ = served
     r = client.responses.create(model="m", input="hello", tools=[], tool_choice="auto", parallel_tool_calls=True,

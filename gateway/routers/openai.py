@@ -51,6 +51,13 @@ async def responses_api(req: ResponsesRequest, raw_request: Request, x_calm_doma
                         escalated_here(raw_request))
 
 
+@router.get("/v1/responses/{response_id}", responses=documented(401, 404))
+async def stored_response(response_id: str, _: ClientKey | None = Depends(client)):
+    raise APIError(404, f"no stored response {response_id!r}: this gateway keeps no response for retrieval (each is "
+                   "answered with store false); keep what you need from the answer", "not_found_error", "response_id",
+                   code="response_not_found")
+
+
 @router.get("/v1/models", responses=documented(401))
 async def models(_: ClientKey | None = Depends(client), gateway: GatewayState = Depends(state)) -> ModelList:
     return ModelList(data=[ModelCard(id=gateway.deployments.default.service.engine.model_name)])
