@@ -518,6 +518,7 @@ def _served_domain(domain: str, other: bool) -> str:
 
     from calm_core.artifact import read_manifest
     from calm_core.registry import GLOBAL
+    from gateway.monitoring import OTHER, known_domains
     from gateway.protocol.common import DOMAIN_NAME
     from gateway.settings import GatewaySettings
 
@@ -527,8 +528,8 @@ def _served_domain(domain: str, other: bool) -> str:
     default = registry.active().get(GLOBAL)
     if default is None:
         return domain
-    served = set(read_manifest(registry.path_of(default)).get("reference_histograms") or {})
-    served |= set(GatewaySettings().domains) | ({"other"} if other else set())
+    served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
+                           GatewaySettings().domains) - (set() if other else {OTHER})
     if domain not in served:
         raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
                         f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")

@@ -83,13 +83,19 @@ def reference_mean(ref: ReferenceHistogram) -> float:
     return sum(c * n for c, n in zip(centres, ref.counts)) / total if total else float("nan")
 
 
+def known_domains(references, configured) -> set[str]:
+    """The domains requests can name (any other is `other`): a serving artifact's reference domains and the
+    configured ones (CALM_DOMAINS)."""
+    return set(references) | set(configured) | {OTHER}
+
+
 class DomainMonitor:
     """Maps request domains to bounded labels and keeps each domain's live confidence window."""
 
     def __init__(self, metrics: Metrics, references: dict[str, ReferenceHistogram], extra_domains: list[str], window: int):
         self.metrics = metrics
         self.references = references
-        self.known = set(references) | set(extra_domains) | {OTHER}
+        self.known = known_domains(references, extra_domains)
         fallback = references.get("all") or (next(iter(references.values())) if references else None)
         self._windows: dict[str, ConfidenceWindow] = {}
         self._window_size = window

@@ -35,10 +35,10 @@ def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> R
     try:
         ctx = service.prepare_chat(chat, domain)
     except APIError as e:  # a limit of the chat path (max_tokens, the context length)
-        if e.param in NAMES:
-            e.message, e.param = e.message.replace(e.param, NAMES[e.param], 1), NAMES[e.param]
-            e.args = (e.message,)
-        raise
+        if e.param not in NAMES:
+            raise
+        raise APIError(e.status, e.message.replace(e.param, NAMES[e.param], 1), e.type, NAMES[e.param], e.code,
+                       e.retry_after_s) from None
     ctx.response_id = f"resp_{ctx.job.request.request_id}"  # the id feedback names
     return ctx
 

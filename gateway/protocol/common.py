@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator
+from pydantic import BaseModel, BeforeValidator, StringConstraints
 from pydantic import StrictInt as _StrictInt
 
 
@@ -22,6 +22,8 @@ WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680" + "".join(chr(c) for c in range(0x2000
 # A string with some character that is not white space (the schema form of `not blank(text)`), each excluded character
 # as a \uXXXX escape, which every engine and generator reads alike.
 NONBLANK = "[^" + "".join(f"\\u{ord(c):04x}" for c in WHITE_SPACE) + "]"
+# Text with some character that is not white space: the rule in the schema, so a schema-valid request is never refused.
+NonBlankStr = Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]
 
 
 def blank(text: str) -> bool:

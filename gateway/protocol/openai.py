@@ -16,7 +16,7 @@ from pydantic import (
 
 from calm_core.artifact import VERSION_NAME
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
-from gateway.protocol.common import NONBLANK, StrictInt, blank
+from gateway.protocol.common import NONBLANK, NonBlankStr, StrictInt, blank
 
 MAX_CHOICES = 16  # n; each choice is a full generation
 MAX_PROMPTS = 64  # completions: prompts in one request (each answered as its own request would be)
@@ -89,10 +89,16 @@ class ResponseFormat(OpenAIModel):
         return self
 
 
+# Fields the chat, completions and Responses requests share.
+Temperature = Annotated[StrictFloat | None, Field(ge=0.0, le=2.0)]  # omitted: greedy (the gateway's default)
+TopP = Annotated[StrictFloat | None, Field(gt=0.0, le=1.0)]
+Options = Annotated[list[NonBlankStr] | None, Field(min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)]  # multiple choice
+
+
 class SamplingFields(OpenAIModel):
     model: StrictStr
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Temperature = None
+    top_p: TopP = None
     top_k: StrictInt | None = Field(default=None, ge=-1)  # vLLM: 0 or -1 = off
     min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
@@ -108,8 +114,7 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     user: StrictStr | None = None  # an end-user id, as OpenAI takes it; not used for the answer
     metadata: dict[StrictStr, StrictStr] | None = None
-    options: list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]] | None = Field(
-        default=None, min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
+    options: Options = None
     calm: CalmOptions | None = None
 
     @model_validator(mode="after")
@@ -133,7 +138,7 @@ class SamplingFields(OpenAIModel):
         return named
 
 
-_OFF = lambda *values: {"anyOf": [{"type": "null"}, *({"const": v} for v in values)]}  # noqa: E731
+OFF = lambda *values: {"anyOf": [{"type": "null"}, *({"const": v} for v in values)]}  # noqa: E731
 # The request-level rules the schema can state: stream_options needs stream; options (multiple choice) take no
 # token-sampling parameter but their "off" values (temperature and seed apply: the option is drawn).
 REQUEST_RULES = [
@@ -145,8 +150,8 @@ REQUEST_RULES = [
      "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
     {"if": {"required": ["options"], "properties": {"options": {"type": "array"}}},
      "then": {"properties": {
-         "top_p": _OFF(1.0), "top_k": _OFF(0, -1), "min_p": _OFF(0.0), "presence_penalty": _OFF(0.0),
-         "frequency_penalty": _OFF(0.0), "repetition_penalty": _OFF(1.0),
+         "top_p": OFF(1.0), "top_k": OFF(0, -1), "min_p": OFF(0.0), "presence_penalty": OFF(0.0),
+         "frequency_penalty": OFF(0.0), "repetition_penalty": OFF(1.0),
          "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
          "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}},
 ]
@@ -193,8 +198,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": REQUEST_RULES})
 
-    prompt: Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)] | Annotated[
-        list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: NonBlankStr | Annotated[list[NonBlankStr], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: StrictInt = Field(default=16, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool = False

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
-from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
-from gateway.protocol.common import NONBLANK, StrictInt
+from gateway.protocol.common import NonBlankStr, StrictInt
 from gateway.protocol.openai import (
-    MAX_TOP_LOGPROBS, USER_TEXT, Calibration, CalmOptions, ChatCompletionRequest, OpenAIModel,
+    MAX_TOP_LOGPROBS, OFF, USER_TEXT, Calibration, CalmOptions, ChatCompletionRequest, OpenAIModel, Options, Temperature,
+    TopP,
 )
 
 
@@ -69,7 +69,7 @@ class TextConfig(OpenAIModel):
 RESPONSES_RULES = [
     {"if": {"required": ["options"], "properties": {"options": {"type": "array"}}},
      "then": {"properties": {
-         "top_p": {"anyOf": [{"type": "null"}, {"const": 1.0}]},
+         "top_p": OFF(1.0),
          "text": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"format": {"anyOf": [
              {"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}]}}}},
 ]
@@ -79,12 +79,11 @@ class ResponsesRequest(OpenAIModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": RESPONSES_RULES})
 
     model: StrictStr
-    input: Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)] | Annotated[
-        list[InputMessage], Field(min_length=1, json_schema_extra={"contains": USER_TEXT})]
+    input: NonBlankStr | Annotated[list[InputMessage], Field(min_length=1, json_schema_extra={"contains": USER_TEXT})]
     instructions: StrictStr | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)  # omitted: greedy (the gateway's default)
-    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Temperature = None
+    top_p: TopP = None
     text: TextConfig | None = None
     include: list[Literal["message.output_text.logprobs"]] | None = None  # the answer's token log-probs
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -97,8 +96,7 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: StrictBool | None = None
     truncation: Literal["disabled"] | None = None
-    options: list[Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]] | None = Field(
-        default=None, min_length=MIN_OPTIONS, max_length=MAX_OPTIONS)
+    options: Options = None
     calm: CalmOptions | None = None
 
     def as_chat(self) -> ChatCompletionRequest:
