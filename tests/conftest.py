@@ -266,7 +266,43 @@ def _fast_memory_line() -> str:
     return f"Before the run, `scripts/memory_ceiling.py`: {found}\n\n" if found else ""
 
 
+# -- the checkout's own registry is not the tests' -----------------------------------------------------------------------
+# `calm serve` and `calm engine` run from this checkout read CALM_HOME's registry and its serving list; a test that
+# wrote there (a gateway on a db_url without a registry_dir of its own) once made the developer's engine try to load
+# the tests' version. The controller (not an xdist worker) compares the list before and after the run.
+_HOME_SERVING = Path(os.environ["CALM_HOME"]) / "registry" / "serving.json"
+_SERVING_STAMP = pytest.StashKey[int | None]()
+_SERVING_WRITTEN = pytest.StashKey[str]()
+
+
+def _home_serving_stamp() -> int | None:
+    try:
+        return _HOME_SERVING.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def pytest_configure(config):
+    config.stash[_SERVING_STAMP] = _home_serving_stamp()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput") or _home_serving_stamp() == session.config.stash[_SERVING_STAMP]:
+        return
+    session.config.stash[_SERVING_WRITTEN] = (
+        f"{_HOME_SERVING} changed during the run: a test wrote the checkout's registry (give its gateway a "
+        "registry_dir under tmp_path), or a gateway from this checkout ran beside the tests")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _write_times(terminalreporter, config)
+    if _SERVING_WRITTEN in config.stash:  # last, beside the count of passed tests it contradicts
+        terminalreporter.write_sep("=", "the checkout's registry was written", red=True)
+        terminalreporter.write_line(config.stash[_SERVING_WRITTEN])
+
+
+def _write_times(terminalreporter, config) -> None:
     if not _SECONDS:
         return
     peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"  # one row per module (the fixture above)

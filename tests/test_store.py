@@ -117,7 +117,10 @@ def test_a_policy_changed_through_one_gateway_is_in_force_in_the_other(database,
     from tests.test_client_keys import make_app
 
     key = "db_url" if "://" in database else "db_path"
-    apps = [make_app(tmp_path / str(i), **{key: database}) for i in range(2)]
+    # registry_dir too: on a db_url the registry defaults to CALM_HOME's, the checkout's own (its serving list is
+    # what `calm engine` there loads)
+    apps = [make_app(tmp_path / str(i), **{key: database, "registry_dir": tmp_path / str(i) / "registry"})
+            for i in range(2)]
     for app in apps:
         app.state.gateway.shared.policies.max_age_s = 0.0
     admin = {"Authorization": "Bearer dev-admin-key"}
