@@ -8,14 +8,18 @@ without a traceback.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import types
+import typing
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -101,16 +105,19 @@ REFUSED_PARAMETERS = {
 }
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    first = _most_telling(exc.errors())
+def validation_message(errors: list[dict], body: type[BaseModel] | None = None) -> tuple[str, str | None]:
+    """The message and param of a request body's validation errors (pydantic's or FastAPI's). `body`: the body's
+    model, for naming what an object takes when the caller misspelt a field."""
+    first = _most_telling(errors)
     loc = _location(first)
     param = ".".join(loc) or None
     kind = first.get("type")
     if kind == "json_invalid":
         return "request body is not valid JSON", None
     if kind == "extra_forbidden" or (kind in ("too_long", "literal_error") and loc and loc[-1] in REFUSED_PARAMETERS):
-        reason = REFUSED_PARAMETERS.get(loc[-1] if loc else "", "this gateway does not support it")
-        return f"unsupported parameter {param!r}: {reason}", param
+        if loc and loc[-1] in REFUSED_PARAMETERS:
+            return f"unsupported parameter {param!r}: {REFUSED_PARAMETERS[loc[-1]]}", param
+        return f"unsupported parameter {param!r}: {_what_it_takes(body, loc)}", param
     if kind == "string_pattern_mismatch" and (first.get("ctx") or {}).get("pattern") == NONBLANK:
         return f"{param}: must not be empty or blank", param
     if loc == ["prompt"] and isinstance(given := first.get("input"), list):
@@ -130,6 +137,32 @@ def _location(error: dict) -> list[str]:
     'list[TextPart]', 'constrained-str'), which name no field."""
     return [str(p) for p in error.get("loc", ()) if p != "body" and not (
         isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("constrained-")))]
+
+
+def _what_it_takes(body: type[BaseModel] | None, loc: list[str]) -> str:
+    """For a field the caller added: the name it probably meant and, in a small object such as `calm`, every name it
+    takes (a misspelt option is refused, never ignored, so the refusal should say how to spell it)."""
+    model = body
+    for part in loc[:-1]:
+        model = _model_in(model.model_fields[part].annotation) if model and part in model.model_fields else (
+            model if part.isdigit() else None)
+    if model is None:
+        return "this gateway does not support it"
+    names = [f.alias or name for name, f in model.model_fields.items()]
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    said = [f"did you mean {close[0]!r}?"] if close else []
+    if len(loc) > 1 and len(names) <= 12:
+        said.append(f"`{'.'.join(loc[:-1])}` takes {', '.join(names)}")
+    return " ".join(said) or "this gateway does not support it"
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The pydantic model a field holds, through Optional, unions, lists and Annotated (the first one found)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list, typing.Annotated):
+        return next(filter(None, map(_model_in, typing.get_args(annotation))), None)
+    return None
 
 
 def _most_telling(errors: list[dict]) -> dict:
@@ -167,7 +200,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        body_field = getattr(request.scope.get("route"), "body_field", None)  # FastAPI's APIRoute: the body model
+        message, param = validation_message(exc.errors(), body_field and _model_in(body_field.field_info.annotation))
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -119,8 +119,13 @@ class CalibratedService:
     def scoring_paths(self) -> dict[str, str]:
         """How each kind of answer is scored, for /health."""
         if self.planner.free_form_mode:
-            free = (f"free-form mode {self.artifact.free_form_version}: its adapter merged, its α head in the logits "
-                    "processor; raw confidence (when asked) from the same weights' prompt log-probs of the answer")
+            # in process its adapter is merged into an engine of its own; upstream it is the engines' run-time LoRA
+            upstream = self.engine.describe().get("adapter") == "run-time lora"
+            adapter = "as a vLLM LoRA loaded at run time" if upstream else "merged"
+            raw = ("raw confidence (when asked) from the same weights' prompt log-probs of the answer"
+                   if self.engine.prompt_logprobs else "no raw confidence (this engine returns no prompt log-probs)")
+            free = (f"free-form mode {self.artifact.free_form_version}: its adapter {adapter}, its α head in the "
+                    f"logits processor; {raw}")
         elif self.artifact.multiple_choice_only:
             free = "base weights, no α head"
         else:

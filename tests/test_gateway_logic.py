@@ -613,7 +613,8 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
         assert answer.free_form and answer.calibrated and not answer.adapter
         assert raw.free_form and not raw.calibrated and raw.prompt_logprobs and raw.prompt_token_ids[-2:] == (7, 8)
         health = client.get("/health").json()
-        assert "free-form mode ff-v1" in health["scoring"]["free_form"]
+        assert "free-form mode ff-v1: its adapter merged" in health["scoring"]["free_form"]
+        assert "raw confidence (when asked) from the same weights" in health["scoring"]["free_form"]
         # Its verdict is a label for the free-form map: the token confidence as served, judged.
         assert client.post("/v1/feedback", json={"response_id": r.json()["id"], "correct": False}).status_code == 200
     from calm_core.db import Database

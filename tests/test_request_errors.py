@@ -35,6 +35,14 @@ REFUSED = [  # (endpoint, arguments, param, words of the message)
      "messages: must contain at least one non-empty user message"),  # a validator's words, without pydantic's prefix
     ("chat", dict(messages=QUESTION, max_completion_tokens=10**6), "max_completion_tokens",
      "max_completion_tokens 1000000 exceeds this gateway's limit"),  # the field the caller used
+    # A misspelt field is refused (never ignored): the message says the name it probably meant, and in a small object
+    # every name it takes.
+    ("chat", dict(messages=QUESTION, extra_body={"calm": {"confidence_method": "semantic"}}), "calm.confidence_method",
+     "did you mean 'confidence'? `calm` takes threshold, domain, raw_confidence, confidence, samples, version"),
+    ("chat", dict(messages=QUESTION, extra_body={"max_token": 3}), "max_token", "did you mean 'max_tokens'?"),
+    ("chat", dict(messages=[{"role": "user", "content": "hi", "nmae": "x"}]), "messages.0.nmae",
+     "did you mean 'name'? `messages.0` takes role, content, name"),
+    ("completions", dict(prompt="hi", extra_body={"frobnicate": 1}), "frobnicate", "this gateway does not support it"),
     # Errors in two fields: the first one the request has is reported, as before.
     ("chat", dict(messages=QUESTION, temperature="x", n=0), "temperature", "Input should be a valid number"),
 ]
@@ -79,3 +87,9 @@ def test_policies_keys_and_labels_are_refused_for_a_domain_requests_cannot_name(
     for domain in ("science", "medicine", "other", "default"):  # `other` and `default` hold policies too
         assert http.put(f"/admin/policies/{domain}", json={"threshold": 0.0}, headers=ADMIN).status_code == 200
     assert http.get("/health").json()["domains"] == ["medicine", "other", "science"]
+
+
+def test_a_misspelt_policy_field_is_named_with_the_one_meant(http):
+    refused = http.put("/admin/policies/science", json={"treshold": 0.5}, headers=ADMIN)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "treshold"
+    assert refused.json()["error"]["message"] == "invalid policy: unsupported parameter 'treshold': did you mean 'threshold'?"

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi import Path as FastAPIPath
 from pydantic import ValidationError
 
-from gateway.errors import APIError
+from gateway.errors import APIError, validation_message
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
 from gateway.policies import Policy, resolve
@@ -63,9 +63,8 @@ async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(
     try:
         policy = Policy.model_validate_json(await request.body())
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise APIError(400, f"invalid policy: {(loc + ': ') if loc else ''}{err['msg']}", param=loc or None) from None
+        message, param = validation_message(e.errors(), Policy)
+        raise APIError(400, f"invalid policy: {message}", param=param) from None
     expected = None
     if if_match is not None:
         if not if_match.strip('"').isdigit():
