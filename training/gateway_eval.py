@@ -132,16 +132,30 @@ def _answer_all(cfg: GatewayEvalConfig, sets: dict[str, list], ask_one, deployme
             done = _load_partial(path, deployment)
             todo = [q for q in questions if q.id not in done]
             task = bar.add_task(label, total=len(questions), completed=len(questions) - len(todo))
+            futures = [pool.submit(ask_one, q) for q in todo]
             with path.open("a") as log:
-                for future in as_completed([pool.submit(ask_one, q) for q in todo]):
-                    row = {**future.result(), "deployment": deployment}
-                    with lock:
-                        log.write(json.dumps(row) + "\n")
-                        log.flush()
-                    done[row["id"]] = row
-                    bar.advance(task)
+                try:
+                    for future in as_completed(futures):
+                        row = {**future.result(), "deployment": deployment}
+                        with lock:
+                            log.write(json.dumps(row) + "\n")
+                            log.flush()
+                        done[row["id"]] = row
+                        bar.advance(task)
+                except BaseException:  # a refused question or Ctrl-C: the questions not yet asked are not asked
+                    for pending in futures:
+                        pending.cancel()
+                    raise
             answers[label] = done
     return answers
+
+
+def _refusal(e) -> str:
+    """What the gateway said: its OpenAI error message (the client's own adds "Error code: N - {...}")."""
+    if getattr(e, "status_code", None) is None:
+        return f"could not be reached: {e}"
+    said = e.body.get("message") if isinstance(e.body, dict) else None
+    return f"answered {e.status_code}: {said or e.message}"
 
 
 def run_gateway_eval(cfg: GatewayEvalConfig, show_progress: bool = True) -> dict:
@@ -159,10 +173,17 @@ def run_gateway_eval(cfg: GatewayEvalConfig, show_progress: bool = True) -> dict
     except openai.APIConnectionError as e:
         raise CalmError(f"cannot reach the gateway at {cfg.url}: {e}") from None
     except openai.APIStatusError as e:
-        raise CalmError(f"the gateway at {cfg.url} answered {e.status_code}: {e.message}") from None
+        raise CalmError(f"the gateway at {cfg.url} {_refusal(e)}") from None
     deployment = f"{model}|{probe['artifact_version']}|samples={cfg.samples if open_ended else 0}"
     # Open-ended: the report writes its records to answers_<set>.jsonl; the gateway's rows are kept beside them.
-    answers = _answer_all(cfg, sets, ask_one, deployment, "gateway_answers" if open_ended else "answers", show_progress)
+    try:
+        answers = _answer_all(cfg, sets, ask_one, deployment, "gateway_answers" if open_ended else "answers",
+                              show_progress)
+    except (openai.APIConnectionError, openai.APIStatusError) as e:  # after the client's own retries
+        raise CalmError(
+            f"the gateway at {cfg.url} {_refusal(e)}. The answers so far are kept in {cfg.out_dir}: the same command resumes "
+            f"from them. A 503 that says the engine timed out means its queue outgrew the gateway's "
+            f"CALM_UPSTREAM_TIMEOUT_S: ask fewer at a time (--concurrency, {cfg.concurrency} now)") from None
     scored_by = f"through the gateway at {cfg.url}"
     if open_ended:
         per_set = {label: [open_record(q, answers[label][q.id]) for q in qs] for label, qs in sets.items()}
