@@ -95,7 +95,7 @@ def main() -> None:
     registry = logs / "registry"  # one folder: the gateway names its version per request, the engine looks it up there
     settings = GatewaySettings(artifact=str(identity), registry_dir=registry)
     port, gw = free_port(), free_port()
-    argv, env = engine_server_command(settings, "127.0.0.1", port)
+    argv, env, _ = engine_server_command(settings, "127.0.0.1", port)
     engine, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw}"
     os.sched_setaffinity(0, {0})
     samples: dict[str, dict[int, list[float]]] = {}

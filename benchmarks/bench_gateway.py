@@ -123,7 +123,7 @@ def main() -> None:
     results: dict = {"requests_per_level": args.requests, "free_form_tokens": FREE_TOKENS, "cpus": os.cpu_count()}
 
     def engine(alpha: bool, port: int):
-        argv, env = engine_server_command(settings, "127.0.0.1", port)
+        argv, env, _ = engine_server_command(settings, "127.0.0.1", port)
         if not alpha:  # no artifact configured: the α-head plugin changes nothing
             i = argv.index("--additional-config")
             argv, env = argv[:i] + argv[i + 2:], {k: v for k, v in env.items() if k != "CALM_ARTIFACT"}

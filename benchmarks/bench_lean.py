@@ -156,7 +156,7 @@ def engine_part(logs: Path, identity: Path, key: str, questions: list[str], per_
     GPU engine leaves the host's cores to the proxy; otherwise everything shares every core."""
     settings = GatewaySettings(artifact=str(identity), registry_dir=logs / "registry")
     port = free_port()
-    argv, env = engine_server_command(settings, "127.0.0.1", port)
+    argv, env, _ = engine_server_command(settings, "127.0.0.1", port)
     if own_core:
         argv, env = ["taskset", "-c", "1", *argv], {**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}
         os.sched_setaffinity(0, {0})

@@ -488,7 +488,8 @@ def engine(
     from gateway.settings import GatewaySettings
 
     settings = GatewaySettings(**({"artifact": str(artifact)} if artifact else {}))
-    argv, env = engine_server_command(settings, host, port)
+    argv, env, allocator = engine_server_command(settings, host, port)
+    typer.echo(allocator)
     typer.echo("exec " + " ".join(argv))
     os.execve(argv[0], argv, env)
 

@@ -142,10 +142,12 @@ def upstream_engine(settings, artifact):
         engine_urls=settings.upstream_engine_urls or None)
 
 
-def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str]]:
-    """argv and environment for a vLLM OpenAI server with the α-head logits processor configured."""
+def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str], str]:
+    """argv and environment for a vLLM OpenAI server with the α-head logits processor configured, and a line saying
+    which memory allocator it runs on."""
     import sys
 
+    from adapters.allocator import tcmalloc_library, with_allocator
     from adapters.vllm_common import REGISTRY_ENV, RUNTIME_LORA_ENV
 
     model = resolve_model(settings.model, "float32")
@@ -158,4 +160,7 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
     env[REGISTRY_ENV] = os.environ.get(REGISTRY_ENV) or str(settings.registry_root)
     repo_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cfg.server_args(host, port)], env
+    allocator = "not preloaded: not a CPU engine"
+    if cfg.engine.device == "cpu":
+        env, allocator = with_allocator(env, settings.engine_allocator, tcmalloc_library())
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *cfg.server_args(host, port)], env, allocator

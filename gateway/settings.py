@@ -52,6 +52,8 @@ class GatewaySettings(BaseSettings):
     # OpenMP threads per in-process CPU engine, fixed; unset: OMP_NUM_THREADS if the environment sets it, else each
     # engine's share of the usable cores among the engines computing, re-sized every step (adapters/core_share.py).
     engine_threads: int | None = Field(default=None, gt=0)
+    # `calm engine` on CPU: tcmalloc preloaded when installed (adapters/allocator.py), or the system's allocator
+    engine_allocator: Literal["tcmalloc", "system"] = "tcmalloc"
     admin_key: str = DEV_ADMIN_KEY
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.

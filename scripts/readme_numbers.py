@@ -85,6 +85,7 @@ BLOCKS = [
     Block("long-mc", "python benchmarks/bench_long_mc.py", RESULTS / "long_mc.md"),
     Block("block-size", "python benchmarks/bench_block_size.py", RESULTS / "block_size.md"),
     Block("stock-engine", "python benchmarks/bench_stock_engine.py", RESULTS / "stock_engine.md"),
+    Block("engine-allocator", "python benchmarks/bench_engine_allocator.py", RESULTS / "engine_allocator.md"),
     Block("engine-threads", "python benchmarks/bench_engine_threads.py", RESULTS / "engine_threads.md"),
     Block("hot-swap", "python benchmarks/bench_hot_swap.py", RESULTS / "hot_swap.md"),
     Block("free-form-batching", "python benchmarks/bench_free_form_batching.py", RESULTS / "free_form_batching.md"),

@@ -33,6 +33,14 @@ if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq haproxy >/dev/null; }
 fi
 
+# `calm engine` and the fleet's stock engines preload tcmalloc (adapters/allocator.py; vLLM's CPU backend asks for it).
+if ! "$VENV/bin/python" -c "import sys; from adapters.allocator import tcmalloc_library; sys.exit(not tcmalloc_library())"; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  echo "installing Debian's libtcmalloc-minimal4 package for the engine servers"
+  $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
+fi
+
 "$VENV/bin/calm" model prepare
 # How much memory this machine gives at full speed right now (~10 s): on the CI-kind VMs memory the host no longer
 # backs is ~25x slower to touch, and a run that needs more than the probe found is slower for it

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 
+from adapters.allocator import TCMALLOC_PRELOAD
 from adapters.engine_settings import SINGLE_PROCESS_ENV
 from tests.servers import background, calm_argv, free_port, wait_until
 
@@ -38,9 +39,10 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
 
 # The engines' environment besides the registry's: run-time LoRA loading, and vLLM's single-process switch, without
 # which its CPU platform replaces `--distributed-executor-backend uni` by "mp": a worker process per engine whose
-# engine core busy-polls it, twice the CPU per token (benchmarks/results/stock_engine.md). docker-compose.yml's engines
+# engine core busy-polls it, twice the CPU per token (benchmarks/results/stock_engine.md); and tcmalloc, without which
+# vLLM's CPU LoRA kernels fault in fresh pages at every step (adapters/allocator.py). docker-compose.yml's engines
 # carry the same (tests/test_deploy.py).
-ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **SINGLE_PROCESS_ENV}
+ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **SINGLE_PROCESS_ENV, **TCMALLOC_PRELOAD}
 
 
 def healthy(url: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,9 +64,12 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}", "{engine_url}"]',
            "CALM_DB_PATH": str(tmp_path / "g.db"), "VLLM_CPU_KVCACHE_SPACE": "1", **registry}
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp_path / "engine.log",
-                 registry, timeout=300), \
+                 registry, timeout=300) as engine, \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
         base = f"http://127.0.0.1:{gw_port}"
+        # `calm engine` runs on tcmalloc (scripts/test.sh installs it; adapters/allocator.py), and says so
+        assert "libtcmalloc_minimal" in Path(f"/proc/{engine.pid}/maps").read_text()
+        assert "allocator: libtcmalloc_minimal.so.4 (preloaded)" in (tmp_path / "engine.log").read_text()
         r = chat(base, **QUESTION)
         assert r.status_code == 200, r.text
         cal = r.json()["choices"][0]["calibration"]
@@ -75,6 +79,8 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
         free = chat(base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
         assert free.status_code == 200 and "Paris" in free.json()["choices"][0]["message"]["content"]
+        free_form_path = httpx.get(f"{base}/health").json()["scoring"]["free_form"]  # as this engine serves it
+        assert "as a vLLM LoRA loaded at run time" in free_form_path and "no raw confidence" in free_form_path
         lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
