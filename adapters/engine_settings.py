@@ -23,6 +23,10 @@ Executor = Literal["uni", "mp"]
 EngineStart = Literal["forkserver", "spawn"]
 # vLLM's CPU platform replaces the "uni" executor by "mp" unless this is "0" where the engine's config is made.
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# A fleet engine on CPU (`calm engine`, a stock server) scores options token by token: a request per option token, each
+# re-reading the question, which its prefix cache serves only from full blocks; vLLM's CPU block of 128 tokens is more
+# than these prompts hold, and its CPU attention takes multiples of 32 (benchmarks/results/engine_block_size.md).
+FLEET_CPU_BLOCK_SIZE = 32
 
 
 @dataclass(frozen=True)

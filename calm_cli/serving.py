@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from calm_core.artifact import load_artifact
@@ -42,7 +43,7 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
     folded weights (one-pass option scoring, adapters/merged_weights.py), and an artifact with a free-form mode one
     more on that mode's merged weights with its own head."""
-    from adapters.engine_settings import resolve
+    from adapters.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
     from adapters.merged_weights import foldable, folded_model_dir, merged_model_dir
     from adapters.vllm_common import EngineConfig
 
@@ -53,6 +54,8 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
                   engine=engine, max_model_len=settings.max_model_len)
     lora = dict(adapter_path=str(adapter), adapter_rank=artifact.adapter_rank) if adapter else {}
     if not inprocess:  # a fleet engine: every version by name from the gateways' registry
+        if engine.device == "cpu" and settings.block_size is None:
+            common["engine"] = replace(engine, block_size=FLEET_CPU_BLOCK_SIZE)
         return EngineConfig(**common, **lora, registry_dir=str(settings.registry_root))
     one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
     folded = str(folded_model_dir(model.path, artifact)) if one_pass else None

@@ -18,7 +18,7 @@ import httpx
 import openai
 
 from adapters.allocator import TCMALLOC_PRELOAD
-from adapters.engine_settings import SINGLE_PROCESS_ENV
+from adapters.engine_settings import FLEET_CPU_BLOCK_SIZE, SINGLE_PROCESS_ENV
 from tests.servers import background, calm_argv, free_port, wait_until
 
 MODEL = "calm-smollm2-135m"
@@ -33,6 +33,7 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
             "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(256 << 20),
             "--max-model-len", "2048", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs",
             "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4", "--seed", "0",
+            "--block-size", str(FLEET_CPU_BLOCK_SIZE),  # options scored token by token re-read the question
             "--middleware", "adapters.vllm_warm.ServedVersionsFirst",
             "--host", "127.0.0.1", "--port", str(port)]
 

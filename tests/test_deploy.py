@@ -81,6 +81,8 @@ def test_compose_fleet_profile_runs_the_tested_shape():
     for name in ("engine-1", "engine-2"):
         argv = services[name]["entrypoint"][1:] + services[name]["command"]
         assert all(flags_in(argv, f) for f in PLUGIN_FLAGS) and all(flags_in(tested, f) for f in PLUGIN_FLAGS)
+        cpu_blocks = ["--block-size", "32"]  # the CPU fleet's engines: options scored token by token (FLEET_CPU_BLOCK_SIZE)
+        assert flags_in(argv, cpu_blocks) and flags_in(tested, cpu_blocks)
         assert ENGINE_ENV.items() <= services[name]["environment"].items()  # as tests/fleet.py runs them
     for name in ("gateway-1", "gateway-2"):
         env = services[name]["environment"]

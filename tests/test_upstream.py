@@ -69,7 +69,9 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         base = f"http://127.0.0.1:{gw_port}"
         # `calm engine` runs on tcmalloc (scripts/test.sh installs it; adapters/allocator.py), and says so
         assert "libtcmalloc_minimal" in Path(f"/proc/{engine.pid}/maps").read_text()
-        assert "allocator: libtcmalloc_minimal.so.4 (preloaded)" in (tmp_path / "engine.log").read_text()
+        started = (tmp_path / "engine.log").read_text()
+        assert "allocator: libtcmalloc_minimal.so.4 (preloaded)" in started
+        assert "--block-size 32" in started  # a fleet engine on CPU: blocks the questions fill (FLEET_CPU_BLOCK_SIZE)
         r = chat(base, **QUESTION)
         assert r.status_code == 200, r.text
         cal = r.json()["choices"][0]["calibration"]

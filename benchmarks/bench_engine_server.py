@@ -1,15 +1,18 @@
-"""`calm engine` on CPU with the system's allocator (glibc) and with tcmalloc preloaded, side by side in one run.
+"""`calm engine` on CPU, two ways side by side in one run: its memory allocator (glibc, or tcmalloc preloaded), or its
+KV-cache block size (vLLM's CPU default of 128 tokens, or 32, the prefix cache's unit).
 
 A gateway in upstream mode sends every request through the served version's LoRA adapter (vLLM run-time LoRA) and
-names its head, so the engine runs vLLM's CPU LoRA kernels on every step. Per round and way (interleaved): `calm
-engine` as a user starts it (no OMP_NUM_THREADS: its team is every core) with CALM_ENGINE_ALLOCATOR=system or
-tcmalloc, a gateway in front of it (`calm serve`, CALM_ENGINE=upstream), then through the gateway:
+names its head, so the engine runs vLLM's CPU LoRA kernels on every step, and scores options token by token: a request
+per option token, each re-reading the question. Per round and way (interleaved): `calm engine` as a user starts it (no
+OMP_NUM_THREADS: its team is every core) with the way's setting, a gateway in front of it (`calm serve`,
+CALM_ENGINE=upstream), then through the gateway:
 - multiple choice: MMLU questions with their four options, 8 at a time, raw confidence on (the default);
 - free form: PopQA questions, greedy, at most 24 tokens, 4 at a time.
 Each workload is timed and charged the engine's user and kernel CPU seconds and minor page faults (its process tree).
 Both ways must give the same answers and option probabilities.
 
-    python benchmarks/bench_engine_allocator.py [--rounds 2] [--questions 8]  -> benchmarks/results/engine_allocator.{json,md}
+    python benchmarks/bench_engine_server.py --compare allocator   -> benchmarks/results/engine_allocator.{json,md}
+    python benchmarks/bench_engine_server.py --compare block-size  -> benchmarks/results/engine_block_size.{json,md}
 """
 
 from __future__ import annotations
@@ -35,8 +38,13 @@ from calm_core.data import load_mc, load_open  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
-OUT = REPO / "benchmarks" / "results" / "engine_allocator"
-WAYS = ("system", "tcmalloc")
+RESULTS = REPO / "benchmarks" / "results"
+# Per comparison: the baseline way first, each way's engine environment, and what the ways vary.
+COMPARISONS = {
+    "allocator": ({"system": {"CALM_ENGINE_ALLOCATOR": "system", "CALM_BLOCK_SIZE": "128"},
+                   "tcmalloc": {"CALM_ENGINE_ALLOCATOR": "tcmalloc", "CALM_BLOCK_SIZE": "128"}}, "allocator"),
+    "block-size": ({"128": {"CALM_BLOCK_SIZE": "128"}, "32": {"CALM_BLOCK_SIZE": "32"}}, "block size (tokens)"),
+}
 FREE_TOKENS = 24
 MODEL = "calm-smollm2-135m"
 
@@ -80,10 +88,10 @@ def free_form(base: str, question: str) -> tuple[str, float]:
     return choice["message"]["content"], choice["calibration"]["confidence"]
 
 
-def one_run(way: str, questions: list, open_questions: list[str], work: Path) -> dict:
+def one_run(way: str, way_env: dict, questions: list, open_questions: list[str], work: Path) -> dict:
     engine_port, gateway_port = free_port(), free_port()
     registry = {"CALM_REGISTRY_DIR": str(work / "registry"), "HF_HUB_OFFLINE": "1"}
-    engine_env = {**registry, "CALM_ENGINE_ALLOCATOR": way}
+    engine_env = {**registry, **way_env}
     gateway_env = {**registry, "CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["http://127.0.0.1:{engine_port}"]',
                    "CALM_UPSTREAM_TIMEOUT_S": "900", "CALM_DB_PATH": str(work / f"{way}.db")}
     base = f"http://127.0.0.1:{gateway_port}"
@@ -101,6 +109,7 @@ def one_run(way: str, questions: list, open_questions: list[str], work: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--questions", type=int, default=8, help="per workload")
     args = parser.parse_args()
@@ -111,58 +120,63 @@ def main() -> None:
     open_questions = [q.question for q in load_open("popqa", "test", root=SHARED_DATA)[:args.questions]]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
+        ways, _ = COMPARISONS[args.compare]
         for round_ in range(args.rounds):
-            for way in WAYS:
-                run = one_run(way, questions, open_questions, Path(tmp))
+            for way, way_env in ways.items():
+                run = one_run(way, way_env, questions, open_questions, Path(tmp))
                 print(f"round {round_ + 1} {way}: multiple choice {run['multiple_choice']['s']:.1f} s, free form "
                       f"{run['free_form']['s']:.1f} s (tcmalloc mapped: {run['tcmalloc_mapped']})", flush=True)
                 runs.append(run)
     summary = summarise(runs, args)
-    OUT.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    OUT.with_suffix(".md").write_text(markdown(summary))
+    out = RESULTS / f"engine_{args.compare.replace('-', '_')}"
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    out.with_suffix(".md").write_text(markdown(summary))
     print(markdown(summary))
 
 
 def summarise(runs: list[dict], args) -> dict:
-    by = {w: [r for r in runs if r["way"] == w] for w in WAYS}
+    ways = list(COMPARISONS[args.compare][0])
+    by = {w: [r for r in runs if r["way"] == w] for w in ways}
     keys = ("s", "user_s", "system_s", "minor_faults")
     median = {w: {work: {k: statistics.median(r[work][k] for r in by[w]) for k in keys}
-                  for work in ("multiple_choice", "free_form")} for w in WAYS}
-    reference = by["system"][0]
+                  for work in ("multiple_choice", "free_form")} for w in ways}
+    reference = by[ways[0]][0]
     diff = max(abs(p - q) for r in runs for a, b in zip(r["probabilities"], reference["probabilities"])
                for p, q in zip(a, b))
     same_answers = all([a for a, _ in r["answers"]] == [a for a, _ in reference["answers"]] for r in runs)
     confidence_diff = max(abs(c - d) for r in runs for (_, c), (_, d) in zip(r["answers"], reference["answers"]))
-    return {"rounds": args.rounds, "questions": args.questions, "free_tokens": FREE_TOKENS, "median": median,
-            "tcmalloc_mapped": {w: [r["tcmalloc_mapped"] for r in by[w]] for w in WAYS},
+    return {"compare": args.compare, "ways": ways, "rounds": args.rounds, "questions": args.questions,
+            "free_tokens": FREE_TOKENS, "median": median,
+            "tcmalloc_mapped": {w: [r["tcmalloc_mapped"] for r in by[w]] for w in ways},
             "max_probability_difference": diff, "same_answers": same_answers,
             "max_confidence_difference": confidence_diff,
             "runs": [{k: v for k, v in r.items() if k not in ("probabilities", "answers")} for r in runs]}
 
 
 def markdown(summary: dict) -> str:
-    median, n = summary["median"], summary["questions"]
-    lines = [f"`python benchmarks/bench_engine_allocator.py` (one run): `calm engine` on CPU (every core, as a user "
-             f"starts it) behind a gateway in upstream mode, each way in {summary['rounds']} interleaved rounds "
-             f"(medians); every request through the shipped version's run-time LoRA adapter. Multiple choice: {n} MMLU "
-             f"questions, four options, 8 at a time, raw confidence on; free form: {n} PopQA questions, greedy, at most "
+    median, n, (first, second) = summary["median"], summary["questions"], summary["ways"]
+    varied = COMPARISONS[summary["compare"]][1]
+    lines = [f"`python benchmarks/bench_engine_server.py --compare {summary['compare']}` (one run): `calm engine` on "
+             f"CPU (every core, as a user starts it) behind a gateway in upstream mode, each way in "
+             f"{summary['rounds']} interleaved rounds (medians); every request through the shipped version's "
+             f"run-time LoRA adapter, options scored token by token. Multiple choice: {n} MMLU questions, four "
+             f"options, 8 at a time, raw confidence on; free form: {n} PopQA questions, greedy, at most "
              f"{summary['free_tokens']} tokens, 4 at a time. CPU and page faults are the engine's process tree.", "",
-             "| allocator | workload | time (s) | user CPU (s) | kernel CPU (s) | minor page faults per second |",
+             f"| {varied} | workload | time (s) | user CPU (s) | kernel CPU (s) | minor page faults per second |",
              "|---|---|---:|---:|---:|---:|"]
-    for way in WAYS:
+    for way in (first, second):
         for work, label in (("multiple_choice", "multiple choice"), ("free_form", "free form")):
             m = median[way][work]
             lines.append(f"| {way} | {label} | {m['s']:.1f} | {m['user_s']:.1f} | {m['system_s']:.1f} | "
                          f"{m['minor_faults'] / m['s']:,.0f} |")
-    ratio = {w: median["system"][w]["s"] / median["tcmalloc"][w]["s"] for w in ("multiple_choice", "free_form")}
-    lines += ["", f"tcmalloc against the system's allocator: multiple choice {ratio['multiple_choice']:.2f}x as fast, "
+    ratio = {w: median[first][w]["s"] / median[second][w]["s"] for w in ("multiple_choice", "free_form")}
+    mapped = "; ".join(f"{w} {summary['tcmalloc_mapped'][w]}" for w in (first, second))
+    lines += ["", f"{varied} {second} against {first}: multiple choice {ratio['multiple_choice']:.2f}x as fast, "
               f"free form {ratio['free_form']:.2f}x. Largest option-probability difference "
               f"{summary['max_probability_difference']:.1e}; the same free-form answers: "
               f"{'yes' if summary['same_answers'] else 'NO'} (largest confidence difference "
-              f"{summary['max_confidence_difference']:.1e}). tcmalloc in the engine's memory map: "
-              f"system {summary['tcmalloc_mapped']['system']}, tcmalloc {summary['tcmalloc_mapped']['tcmalloc']}."]
+              f"{summary['max_confidence_difference']:.1e}). tcmalloc in the engine's memory map, per round: {mapped}."]
     return "\n".join(lines) + "\n"
-
 
 if __name__ == "__main__":
     main()
