@@ -144,9 +144,11 @@ def _what_it_takes(body: type[BaseModel] | None, loc: list[str]) -> str:
     takes (a misspelt option is refused, never ignored, so the refusal should say how to spell it)."""
     model = body
     for part in loc[:-1]:
-        model = _model_in(model.model_fields[part].annotation) if model and part in model.model_fields else (
-            model if part.isdigit() else None)
-    if model is None:
+        if part.isdigit():  # an item of a list: the list's model
+            continue
+        field = model.model_fields.get(part) if model else None
+        model = _model_in(field.annotation) if field else None
+    if model is None or not loc:
         return "this gateway does not support it"
     names = [f.alias or name for name, f in model.model_fields.items()]
     close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
