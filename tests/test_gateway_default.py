@@ -108,12 +108,20 @@ def test_the_engines_share_the_cores_step_by_step(started):
     assert teams()["folded"] == cpus
     half = team_size(cpus, busy=2)
     seen = set()
+    # Rounds of 24 questions, 8 at a time, until a step of each engine has started while the other computed. Whether a
+    # round shows it depends on the scheduling: a pass counts as busy for 0.2 s after its step, and on a loaded machine
+    # each round's one-pass steps could all start first, in gaps longer than that (seen once: only (1, 2) in a round).
+    # Engines that never halve their teams still fail after the last round.
     with ThreadPoolExecutor(8) as pool:
-        questions = [pool.submit(ask, True) for _ in range(24)]
-        while not all(q.done() for q in questions):  # the teams while both passes compute
-            seen.add((teams()["adapter"], teams()["folded"]))
-            time.sleep(0.05)
-        [q.result() for q in questions]
+        for _ in range(10):
+            questions = [pool.submit(ask, True) for _ in range(24)]
+            while not all(q.done() for q in questions):  # the teams while both passes compute
+                now = teams()
+                seen.add((now["adapter"], now["folded"]))
+                time.sleep(0.05)
+            [q.result() for q in questions]
+            if (half, half) in seen:
+                break
     assert (half, half) in seen, seen
 
 
