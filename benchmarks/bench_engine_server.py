@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from adapters.allocator import tcmalloc_library  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
+from tests.memory_budget import stat_fields  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -51,14 +52,13 @@ MODEL = "calm-smollm2-135m"
 
 def engine_usage(pid: int) -> dict[str, float]:
     """User and kernel CPU seconds and minor page faults of the process tree so far (/proc/PID/stat)."""
-    total = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0.0}
+    total, ticks = {"user_s": 0.0, "system_s": 0.0, "minor_faults": 0.0}, os.sysconf("SC_CLK_TCK")
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         try:
-            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(proc.pid)
         except OSError:
             continue
-        ticks = os.sysconf("SC_CLK_TCK")
-        total["minor_faults"] += int(fields[7])  # minflt: field 10 of stat, the 8th after the command
+        total["minor_faults"] += int(fields[7])
         total["user_s"] += int(fields[11]) / ticks
         total["system_s"] += int(fields[12]) / ticks
     return total
