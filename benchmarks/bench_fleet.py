@@ -8,7 +8,9 @@ through their HAProxy frontend, as the exact completion requests the gateway sen
 same log-probs asked for), and (2) to the gateways through theirs, as chat requests, at concurrency 1, 8 and 32.
 Multiple choice with raw confidence off (one engine request per question on both paths) and streamed free form.
 As in bench_gateway.py, the served version has an identity letter-format head, so both paths score options the same
-way. Every process shares the machine's cores: read the ratio, not the absolute numbers.
+way. Every process shares the machine's cores: read the ratio, not the absolute numbers. Each run is charged the CPU
+seconds of each part of the fleet (engines, gateway replicas, HAProxy, PostgreSQL; the load generator is this process),
+so a ratio below 1 shows whose CPU the engines lost.
 Results: fleet.json and fleet.md in --out.
 """
 
@@ -19,13 +21,16 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
 from benchmarks.bench_gateway import (  # noqa: E402
-    CONCURRENCY, FREE_TOKENS, level, load, make_sender, ratio_rows, workloads,
+    CONCURRENCY, FREE_TOKENS, load, make_sender, ratio_rows, workloads,
 )
 from calm_core.engine import EngineRequest  # noqa: E402
 from tests.fleet import MODEL, Fleet  # noqa: E402
@@ -35,6 +40,47 @@ from tests.postgres import postgres_server  # noqa: E402
 def named(bodies: list[dict], version: str) -> list[dict]:
     """The direct bodies as the gateway sends them: naming the served version's head."""
     return [{**b, "vllm_xargs": {"calm_head": version}} for b in bodies]
+
+
+ROLES = ("engines", "gateways", "haproxy", "postgres", "load")
+
+
+def cpu_seconds(fleet: Fleet) -> dict[str, float]:
+    """User + kernel CPU seconds so far of each part of the fleet (a process's tree; PostgreSQL's processes by name)."""
+    roots = {"engines": ["engine0", "engine1"], "gateways": ["gateway0", "gateway1"], "haproxy": ["haproxy"]}
+    procs: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
+    for role, names in roots.items():
+        for name in names:
+            root = psutil.Process(fleet.procs[name].pid)
+            procs[role] += [root, *root.children(recursive=True)]
+    procs["postgres"] = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
+    procs["load"] = [psutil.Process()]
+    usage = {}
+    for role, members in procs.items():
+        total = 0.0
+        for proc in members:
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        usage[role] = total
+    return usage
+
+
+def measured_level(fleet: Fleet, runs: dict[str, tuple[str, list[dict]]], concurrency: int) -> dict:
+    """Each named run's bodies sent to its URL, one run after the other, each charged every role's CPU seconds."""
+    row = {}
+    for name, (url, bodies) in runs.items():
+        before, start = cpu_seconds(fleet), time.perf_counter()
+        row[name] = asyncio.run(load(make_sender(url), bodies, concurrency))
+        after = cpu_seconds(fleet)
+        row[name]["cpu_s"] = {role: after[role] - before[role] for role in ROLES}
+        row[name]["wall_s"] = time.perf_counter() - start
+    print(f"concurrency {concurrency}: " + ", ".join(
+        f"{k} {v['rps']:.2f} rps p50 {v['p50_ms']:.0f} ms cpu " + "/".join(f"{v['cpu_s'][r]:.1f}" for r in ROLES)
+        for k, v in row.items()), flush=True)
+    return row
 
 
 def main() -> None:
@@ -70,11 +116,17 @@ def main() -> None:
             fleet.start()
             direct_url = f"http://127.0.0.1:{fleet.engine_lb_port}/v1/completions"
             gw_url = f"{fleet.lb}/v1/chat/completions"
-            asyncio.run(load(make_sender(direct_url), direct_mc[:8], 8))  # warm-up: both engines, both replicas
+            # Warm-up: every prompt once on each engine, so the paths compared, which run one after the other, both
+            # find its question in vLLM's prefix cache (with only 8 warmed, the fleet's 48 multiple-choice requests
+            # at concurrency 32, asked after the direct ones, ran 1.88x as fast); then both replicas.
+            prompts = direct_mc + [{**b, "max_tokens": 1} for b in direct_ff]
+            for i in range(2):
+                asyncio.run(load(make_sender(f"{fleet.engine_url(i)}/v1/completions"), prompts, 8))
             asyncio.run(load(make_sender(gw_url), gw_mc_noraw[:8], 8))
             for c in CONCURRENCY:
-                results[f"c{c}"] = level({"mc_direct": (direct_url, direct_mc), "mc_fleet": (gw_url, gw_mc_noraw),
-                                          "ff_direct": (direct_url, direct_ff), "ff_fleet": (gw_url, gw_ff)}, c)
+                results[f"c{c}"] = measured_level(fleet, {
+                    "mc_direct": (direct_url, direct_mc), "mc_fleet": (gw_url, gw_mc_noraw),
+                    "ff_direct": (direct_url, direct_ff), "ff_fleet": (gw_url, gw_ff)}, c)
     (args.out / "fleet.json").write_text(json.dumps(results, indent=2))
     (args.out / "fleet.md").write_text(markdown(results))
     print(markdown(results))
@@ -90,8 +142,19 @@ def markdown(r: dict) -> str:
         "| workload | concurrency | direct rps | fleet rps | ratio | direct p50 ms | fleet p50 ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += ratio_rows(r, (("multiple choice, raw_confidence off", "mc_direct", "mc_fleet"),
-                            ("free form", "ff_direct", "ff_fleet")))
+    workloads = (("multiple choice, raw_confidence off", "mc_direct", "mc_fleet"), ("free form", "ff_direct", "ff_fleet"))
+    lines += ratio_rows(r, workloads)
+    lines += ["", "CPU per request (ms), by part, in the same runs (each path's requests charged what every process spent "
+              "while they ran; the load generator is the benchmark's own process):", "",
+              "| workload | concurrency | path | engines | gateways | HAProxy | PostgreSQL | load generator | total |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in CONCURRENCY:
+        for name, *paths in workloads:
+            for label, key in zip(("direct", "fleet"), paths):
+                run = r[f"c{c}"][key]
+                per = {role: 1000 * run["cpu_s"][role] / run["n"] for role in ROLES}
+                lines.append(f"| {name} | {c} | {label} | " + " | ".join(f"{per[role]:.1f}" for role in ROLES)
+                             + f" | {sum(per.values()):.1f} |")
     return "\n".join(lines) + "\n"
 
 

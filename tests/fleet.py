@@ -18,6 +18,7 @@ import httpx
 import openai
 
 from adapters.allocator import TCMALLOC_PRELOAD
+from adapters.cpu_limits import usable_cpus
 from adapters.engine_settings import FLEET_CPU_BLOCK_SIZE, SINGLE_PROCESS_ENV
 from tests.servers import background, calm_argv, free_port, wait_until
 
@@ -44,6 +45,14 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
 # vLLM's CPU LoRA kernels fault in fresh pages at every step (adapters/allocator.py). docker-compose.yml's engines
 # carry the same (tests/test_deploy.py).
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **SINGLE_PROCESS_ENV, **TCMALLOC_PRELOAD}
+
+
+def engine_threads(engines: int = 2) -> str:
+    """Each engine's share of the cores, as docker-compose.yml's CALM_ENGINE_THREADS gives them: set here, not taken
+    from the caller (the test suite exports OMP_NUM_THREADS=1, a benchmark's shell may set nothing). Unset, each engine's
+    OpenMP team is as wide as the machine and the two spin at each other's barriers: bench_fleet.py run without it
+    served free form at 0.26 requests/s at concurrency 8, against 3.0 with one thread each (docs/deployment.md)."""
+    return str(max(1, usable_cpus() // engines))
 
 
 def healthy(url: str) -> bool:
@@ -87,7 +96,8 @@ class Fleet:
                 **self.store_env}
 
     def start_engine(self, i: int, log: str | None = None) -> None:
-        env = {**self.registry_env(f"engine{i}"), **ENGINE_ENV, "HF_HUB_OFFLINE": "1"}
+        env = {**self.registry_env(f"engine{i}"), **ENGINE_ENV, "OMP_NUM_THREADS": engine_threads(),
+               "HF_HUB_OFFLINE": "1"}
         self.procs[f"engine{i}"] = self.stack.enter_context(background(
             engine_argv(self.model_dir, self.engine_ports[i]), self.tmp / (log or f"engine{i}.log"), env))
 
