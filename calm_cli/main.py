@@ -537,6 +537,12 @@ def _served_domain(domain: str, other: bool) -> str:
     return domain
 
 
+def _known(status: str | None, statuses: tuple[str, ...]) -> None:
+    """A --status filter that names a status there is (a misspelt one would list nothing, as if there were none)."""
+    if status is not None and status not in statuses:
+        raise CalmError(f"--status {status!r}: a status is one of {', '.join(statuses)}")
+
+
 def _echo_json(data) -> None:
     import json
 
@@ -548,6 +554,9 @@ def _echo_json(data) -> None:
 def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions trained for this domain")] = None,
                    status: Annotated[Optional[str], typer.Option(help="candidate | active | rejected | retired")] = None):
     """Every version, newest first: status, the domains it serves, its domain, parent and trigger."""
+    from calm_core.registry import STATUSES
+
+    _known(status, STATUSES)
     registry = _registry()
     for r in registry.list(domain, status):
         serves = ",".join(r.active_for) or "-"
@@ -599,7 +608,9 @@ def artifacts_rollback(domain: Annotated[str, typer.Option(help="the domain to r
 def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
               status: Annotated[Optional[str], typer.Option()] = None):
     """Jobs, newest first: status, progress, trigger, candidate."""
-    from calm_core.jobs import JobQueue
+    from calm_core.jobs import FINISHED, OPEN, JobQueue
+
+    _known(status, OPEN + FINISHED)
 
     for j in JobQueue(_store()).list(domain, status):
         typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "

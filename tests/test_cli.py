@@ -52,6 +52,15 @@ def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(t
     assert run_calm("keys", "create", "--name", "t", "--domain", "legal", env={**env, "CALM_DOMAINS": '["legal"]'}).returncode == 0
 
 
+def test_a_status_filter_that_names_no_status_is_refused(tmp_path):
+    """A misspelt --status would list nothing, as if the registry held no such version (the admin API refuses it)."""
+    env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
+    assert_one_line_error(run_calm("artifacts", "list", "--status", "actve", env=env),
+                          "--status 'actve': a status is one of candidate, active, rejected, retired")
+    assert_one_line_error(run_calm("jobs", "list", "--status", "done", env=env), "a status is one of queued, running")
+    assert run_calm("jobs", "list", "--status", "awaiting_operator", env=env).returncode == 0
+
+
 def test_missing_data_file(tmp_path):
     proc = run_calm("eval", "-d", "arc_easy", env={"CALM_DATA_DIR": str(tmp_path)})
     assert_one_line_error(proc, "data file not found")
