@@ -5,7 +5,6 @@ User errors (CalmError) print one line on stderr and exit with status 2; no trac
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from calm_cli.common import one_line_errors, open_store, served_domain
+from calm_cli.registry_commands import artifacts_app, jobs_app
 from calm_core.errors import CalmError
 
 app = typer.Typer(help="CALM Gateway: calibrated LLM confidence.", no_args_is_help=True, add_completion=False)
@@ -26,25 +27,8 @@ policy_app = typer.Typer(help="Abstention policies offline.", no_args_is_help=Tr
 app.add_typer(policy_app, name="policy")
 keys_app = typer.Typer(help="Client API keys for /v1/* (in the gateway's database, CALM_DB_PATH).", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
-
-
-def one_line_errors(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except CalmError as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-
-    return wrapper
-
-
-def _store():
-    from gateway.settings import GatewaySettings
-    from gateway.store import Store
-
-    return Store(GatewaySettings().database)
+app.add_typer(artifacts_app, name="artifacts")
+app.add_typer(jobs_app, name="jobs")
 
 
 def _offline_engines(settings=None):
@@ -71,8 +55,8 @@ def keys_create(
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
     for name_ in domain or []:
-        _served_domain(name_, other=True)
-    created = issue_key(_store(), name, list(domain) if domain else None, rate)
+        served_domain(name_, other=True)
+    created = issue_key(open_store(), name, list(domain) if domain else None, rate)
     typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
 
 
@@ -80,7 +64,7 @@ def keys_create(
 @one_line_errors
 def keys_list():
     """Every key: id, name, domains, rate, and whether it is revoked (never the key itself)."""
-    for key, _ in _store().client_keys():
+    for key, _ in open_store().client_keys():
         state = "revoked" if key.revoked_at else "active"
         domains = ",".join(key.domains) if key.domains else "*"
         rate = f"{key.requests_per_minute:g}/min" if key.requests_per_minute else "unlimited"
@@ -91,7 +75,7 @@ def keys_list():
 @one_line_errors
 def keys_revoke(key_id: str):
     """Revoke a key by id; gateways refuse it within seconds."""
-    if not _store().revoke_client_key(key_id):
+    if not open_store().revoke_client_key(key_id):
         raise CalmError(f"no active API key with id {key_id!r}")
     typer.echo(f"revoked {key_id}")
 
@@ -114,7 +98,7 @@ def reviews_list(
 
     if status not in ("open", "closed", "all"):
         raise CalmError("--status must be open, closed or all")
-    for review in HandoffStore(_store()).reviews(status, domain, limit):
+    for review in HandoffStore(open_store()).reviews(status, domain, limit):
         typer.echo(json.dumps({"id": review.id, "domain": review.domain, "created_at": review.created_at,
                                "answer": review.answer, "confidence": round(review.confidence, 4),
                                "request": review.request, "correct": review.correct, "note": review.note}))
@@ -210,10 +194,11 @@ def artifact_recalibrate(
         s = run_recalibrate_free_form(cfg, _offline_engines())
         typer.echo(f"{out}: {s['version']} (free-form token temperature {s['token_temperature']:.3f}, parent "
                    f"{s['parent']}); {s['reason']}")
-        return
-    s = run_recalibrate(cfg)
-    typer.echo(f"{out}: {s['version']} (option temperature {s['option_temperature']:.3f}, parent {s['parent']}); "
-               f"{s['reason']}")
+    else:
+        s = run_recalibrate(cfg)
+        typer.echo(f"{out}: {s['version']} (option temperature {s['option_temperature']:.3f}, parent {s['parent']}); "
+                   f"{s['reason']}")
+    typer.echo(f"register it and serve {domain} with it: calm artifacts add {out} --promote")
 
 
 @artifact_app.command("show")
@@ -495,155 +480,6 @@ def engine(
 
 
 # -- the retraining loop ------------------------------------------------------------------------------------------------
-artifacts_app = typer.Typer(help="The artifact registry: versions, which serves which domain, promotion and rollback "
-                            "(the gateway's database; running gateways switch within seconds).", no_args_is_help=True)
-app.add_typer(artifacts_app, name="artifacts")
-jobs_app = typer.Typer(help="Retraining jobs (queued by drift alerts or operators, run by `calm worker`).",
-                       no_args_is_help=True)
-app.add_typer(jobs_app, name="jobs")
-
-
-def _registry():
-    from calm_core.registry import Registry
-    from gateway.settings import GatewaySettings
-
-    settings = GatewaySettings()
-    return Registry(_store(), settings.registry_root, settings.registry_url)
-
-
-def _served_domain(domain: str, other: bool) -> str:
-    """`domain` if requests can name it on a gateway with these settings (as the admin API checks): its default
-    version's reference domains, CALM_DOMAINS and `other` where allowed. Before any gateway has registered its
-    default version only the spelling can be checked. Anything else is stored but never applies."""
-    import re
-
-    from calm_core.artifact import read_manifest
-    from calm_core.registry import GLOBAL
-    from gateway.monitoring import OTHER, known_domains
-    from gateway.protocol.common import DOMAIN_NAME
-    from gateway.settings import GatewaySettings
-
-    if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
-        raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
-    registry = _registry()
-    default = registry.active().get(GLOBAL)
-    if default is None:
-        return domain
-    served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
-                           GatewaySettings().domains) - (set() if other else {OTHER})
-    if domain not in served:
-        raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
-                        f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")
-    return domain
-
-
-def _known(status: str | None, statuses: tuple[str, ...]) -> None:
-    """A --status filter that names a status there is (a misspelt one would list nothing, as if there were none)."""
-    if status is not None and status not in statuses:
-        raise CalmError(f"--status {status!r}: a status is one of {', '.join(statuses)}")
-
-
-def _echo_json(data) -> None:
-    import json
-
-    typer.echo(json.dumps(data, indent=2, default=str))
-
-
-@artifacts_app.command("list")
-@one_line_errors
-def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions trained for this domain")] = None,
-                   status: Annotated[Optional[str], typer.Option(help="candidate | active | rejected | retired")] = None):
-    """Every version, newest first: status, the domains it serves, its domain, parent and trigger."""
-    from calm_core.registry import STATUSES
-
-    _known(status, STATUSES)
-    registry = _registry()
-    for r in registry.list(domain, status):
-        serves = ",".join(r.active_for) or "-"
-        typer.echo(f"{r.version}  {r.status:9s}  serves={serves}  domain={r.domain or '*'}  parent={r.parent or '-'}  "
-                   f"trigger={r.trigger}" + (f"  reason={r.reason}" if r.reason else ""))
-    typer.echo("active: " + ", ".join(f"{d}={v}" for d, v in sorted(registry.active().items())))
-
-
-@artifacts_app.command("show")
-@one_line_errors
-def artifacts_show(version: str):
-    """One version: lineage, metrics (the gate's inputs and decision for retrained ones), folder."""
-    record = _registry().get(version)
-    if record is None:
-        raise CalmError(f"no artifact version {version!r} in the registry")
-    _echo_json(record.as_dict())
-
-
-@artifacts_app.command("promote")
-@one_line_errors
-def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="the domain it serves; * = the default")] = "*"):
-    """Make a version serve a domain (a candidate left for the operator, or any earlier one)."""
-    from calm_core.registry import RegistryError
-
-    if domain != "*":
-        _served_domain(domain, other=False)
-    try:
-        previous = _registry().promote(version, domain, actor="cli")
-    except RegistryError as e:
-        raise CalmError(str(e)) from None
-    typer.echo(f"{domain}: {version} (was {previous or 'the default'})")
-
-
-@artifacts_app.command("rollback")
-@one_line_errors
-def artifacts_rollback(domain: Annotated[str, typer.Option(help="the domain to roll back; * = the default")] = "*"):
-    """Return a domain to the version it had before (a domain's own version rolls back to the default)."""
-    from calm_core.registry import RegistryError
-
-    try:
-        version = _registry().rollback(domain, actor="cli")
-    except RegistryError as e:
-        raise CalmError(str(e)) from None
-    typer.echo(f"{domain}: {version or 'the default'}")
-
-
-@jobs_app.command("list")
-@one_line_errors
-def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
-              status: Annotated[Optional[str], typer.Option()] = None):
-    """Jobs, newest first: status, progress, trigger, candidate."""
-    from calm_core.jobs import FINISHED, OPEN, JobQueue
-
-    _known(status, OPEN + FINISHED)
-
-    for j in JobQueue(_store()).list(domain, status):
-        typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "
-                   f"attempts={j.attempts}  candidate={j.candidate or '-'}")
-
-
-@jobs_app.command("show")
-@one_line_errors
-def jobs_show(job_id: str):
-    """One job with its log and result (the gate's decision and the numbers behind it)."""
-    from calm_core.jobs import JobQueue
-
-    job = JobQueue(_store()).get(job_id)
-    if job is None:
-        raise CalmError(f"no job {job_id!r}")
-    _echo_json(job.as_dict())
-
-
-@jobs_app.command("create")
-@one_line_errors
-def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
-        help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
-    """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
-    from calm_core.jobs import JobQueue
-    from training.retrain_labelled import METHODS
-
-    if method is not None and method not in METHODS:
-        raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
-    _served_domain(domain, other=False)
-    job, created = JobQueue(_store()).enqueue(domain, "operator", {"by": "cli", **({"method": method} if method else {})})
-    typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
-
-
 @app.command("worker")
 @one_line_errors
 def worker(

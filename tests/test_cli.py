@@ -52,6 +52,48 @@ def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(t
     assert run_calm("keys", "create", "--name", "t", "--domain", "legal", env={**env, "CALM_DOMAINS": '["legal"]'}).returncode == 0
 
 
+def test_an_artifact_made_outside_the_loop_is_registered_with_its_lineage_and_promoted(tmp_path, shipped_artifact):
+    """`calm artifact recalibrate` writes a folder; `calm artifacts add` is how it reaches the registry the gateways
+    follow (promote alone refused it: "no artifact version ... in the registry")."""
+    import json as json_
+
+    from calm_core.artifact import Recalibration, derive_version
+    from calm_core.registry import Registry
+    from gateway.store import Store
+
+    env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
+    store = Store(f"sqlite:///{tmp_path / 'g.db'}")
+    registry = Registry(store, tmp_path / "registry")
+    default = registry.ensure_default(shipped_artifact.path)  # what a gateway does at start
+    lineage = Recalibration(parent=default, domain="science", temperature=1.3, fitted_on="78 labels",
+                            held_out={"ece_before": 0.057, "ece_after": 0.048})
+    child = derive_version(shipped_artifact.path, tmp_path / "recalibrated", "recalibrated", option_temperature=1.3,
+                           recalibration=lineage.model_dump()).artifact_version
+    added = run_calm("artifacts", "add", str(tmp_path / "recalibrated"), env=env)
+    assert added.returncode == 0, added.stderr
+    assert f"{child}: registered (candidate, domain=science, parent={default})" in added.stdout
+    assert f"calm artifacts promote {child} --domain science" in added.stdout
+    record = json_.loads(run_calm("artifacts", "show", child, env=env).stdout)
+    assert record["trigger"] == "import" and record["metrics"]["recalibration"]["ece_after"] == 0.048
+    assert Path(record["path"]).parent == tmp_path / "registry"  # a copy: the folder it came from may go
+    promoted = run_calm("artifacts", "add", str(tmp_path / "recalibrated"), "--promote", env=env)
+    assert f"{child}: already registered" in promoted.stdout and f"science: {child} (was the default)" in promoted.stdout
+    assert registry.active() == {"*": default, "science": child}
+
+    for manifest in (tmp_path / "recalibrated").rglob("manifest.json"):  # the version and the free-form mode inside
+        other = json_.loads(manifest.read_text())
+        other["base_model"]["weights_sha256"] = "0" * 64
+        if manifest.parent == tmp_path / "recalibrated":
+            other["artifact_version"] = "recalibrated-other-weights"
+        manifest.write_text(json_.dumps(other))
+    assert_one_line_error(run_calm("artifacts", "add", str(tmp_path / "recalibrated"), env=env),
+                          "recalibrated-other-weights was trained on SmolLM2-135M-Instruct (0000000000000000…); "
+                          "the gateways serve SmolLM2-135M-Instruct")
+    assert_one_line_error(run_calm("artifacts", "add", str(tmp_path / "none"), env=env), "manifest.json is missing")
+    assert registry.get("recalibrated-other-weights") is None
+    store.close()
+
+
 def test_a_status_filter_that_names_no_status_is_refused(tmp_path):
     """A misspelt --status would list nothing, as if the registry held no such version (the admin API refuses it)."""
     env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}

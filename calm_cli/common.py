@@ -1,0 +1,68 @@
+"""What the `calm` commands share: one-line user errors, and the gateway's database, registry and domains as its
+settings name them."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import typer
+
+from calm_core.errors import CalmError
+
+
+def one_line_errors(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CalmError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def open_store():
+    from gateway.settings import GatewaySettings
+    from gateway.store import Store
+
+    return Store(GatewaySettings().database)
+
+
+def open_registry():
+    from calm_core.registry import Registry
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings()
+    return Registry(open_store(), settings.registry_root, settings.registry_url)
+
+
+def served_domain(domain: str, other: bool) -> str:
+    """`domain` if requests can name it on a gateway with these settings (as the admin API checks): its default
+    version's reference domains, CALM_DOMAINS and `other` where allowed. Before any gateway has registered its
+    default version only the spelling can be checked. Anything else is stored but never applies."""
+    import re
+
+    from calm_core.artifact import read_manifest
+    from calm_core.registry import GLOBAL
+    from gateway.monitoring import OTHER, known_domains
+    from gateway.protocol.common import DOMAIN_NAME
+    from gateway.settings import GatewaySettings
+
+    if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
+        raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
+    registry = open_registry()
+    default = registry.active().get(GLOBAL)
+    if default is None:
+        return domain
+    served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
+                           GatewaySettings().domains) - (set() if other else {OTHER})
+    if domain not in served:
+        raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
+                        f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")
+    return domain
+
+
+def echo_json(data) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
