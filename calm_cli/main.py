@@ -92,16 +92,25 @@ def reviews_list(
     domain: Annotated[Optional[str], typer.Option(help="only this domain")] = None,
     limit: Annotated[int, typer.Option(help="at most this many, oldest first")] = 100,
 ):
-    """Reviews, oldest first: id, domain, age, the withheld answer and its confidence, the question (one JSON line
-    each with --status all for the verdicts too). Close one with POST /admin/reviews/{id} on a gateway."""
+    """Reviews, oldest first, one JSON line each: id, domain, when it was queued and how long it waited (so far, if
+    open), the withheld answer (a multiple-choice letter with its option's text) and its confidence, the request, and
+    the verdict once closed. Close one with POST /admin/reviews/{id} on a gateway."""
+    import time
+    from datetime import datetime, timezone
+
     from gateway.handoff_store import HandoffStore
 
     if status not in ("open", "closed", "all"):
         raise CalmError("--status must be open, closed or all")
     for review in HandoffStore(open_store()).reviews(status, domain, limit):
-        typer.echo(json.dumps({"id": review.id, "domain": review.domain, "created_at": review.created_at,
-                               "answer": review.answer, "confidence": round(review.confidence, 4),
-                               "request": review.request, "correct": review.correct, "note": review.note}))
+        queued = datetime.fromtimestamp(review.created_at, timezone.utc).isoformat(timespec="seconds")
+        typer.echo(json.dumps({"id": review.id, "domain": review.domain, "created_at": queued,
+                               "waited_s": round((review.closed_at or time.time()) - review.created_at),
+                               "answer": review.answer,
+                               "answer_option": review.answer_option,
+                               "confidence": round(review.confidence, 4), "request": review.request,
+                               "correct": review.correct, "note": review.note}))
+
 
 
 @model_app.command("prepare")

@@ -1,5 +1,5 @@
-"""`calm artifacts` and `calm jobs`: the artifact registry (register, promote, roll back) and the retraining jobs, in the
-gateway's database; running gateways follow within their registry poll."""
+"""`calm artifacts` and `calm jobs`: the artifact registry (register, promote, roll back) and the retraining jobs, in
+the gateway's database; running gateways follow within their registry poll."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ class Handoff:
 
     async def _notify(self, url: str, timeout_s: float, review: Review) -> None:
         body = {"review_id": review.id, "domain": review.domain, "response_id": review.response_id,
-                "request": review.request, "answer": review.answer, "confidence": review.confidence,
+                "request": review.request, "answer": review.answer, "answer_option": review.answer_option,
+                "confidence": review.confidence,
                 "created_at": review.created_at}
         try:
             async with asyncio.timeout(timeout_s):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, select, update
 from sqlalchemy.exc import IntegrityError
 
+from calm_core.prompts import LETTERS
 from calm_core.served_answers import judge
 from gateway.store import FEEDBACK, Store
 
@@ -56,6 +57,13 @@ class Review:
     correct: bool | None = None
     reviewer: str | None = None
     note: str | None = None
+
+    @property
+    def answer_option(self) -> str | None:
+        """The text of the option a withheld multiple-choice letter names, for the person judging it (None for a
+        free-form answer)."""
+        options = self.request.get("options") or []
+        return str(options[LETTERS.index(self.answer)]) if self.answer in LETTERS[:len(options)] else None
 
 
 class HandoffStore:

@@ -77,7 +77,8 @@ def test_an_artifact_made_outside_the_loop_is_registered_with_its_lineage_and_pr
     assert record["trigger"] == "import" and record["metrics"]["recalibration"]["ece_after"] == 0.048
     assert Path(record["path"]).parent == tmp_path / "registry"  # a copy: the folder it came from may go
     promoted = run_calm("artifacts", "add", str(tmp_path / "recalibrated"), "--promote", env=env)
-    assert f"{child}: already registered" in promoted.stdout and f"science: {child} (was the default)" in promoted.stdout
+    assert f"{child}: already registered" in promoted.stdout
+    assert f"science: {child} (was the default)" in promoted.stdout
     assert registry.active() == {"*": default, "science": child}
 
     for manifest in (tmp_path / "recalibrated").rglob("manifest.json"):  # the version and the free-form mode inside
@@ -101,6 +102,19 @@ def test_a_status_filter_that_names_no_status_is_refused(tmp_path):
                           "--status 'actve': a status is one of candidate, active, rejected, retired")
     assert_one_line_error(run_calm("jobs", "list", "--status", "done", env=env), "a status is one of queued, running")
     assert run_calm("jobs", "list", "--status", "awaiting_operator", env=env).returncode == 0
+
+
+def test_a_review_names_the_option_its_withheld_letter_stands_for():
+    from gateway.handoff_store import Review
+
+    request = {"messages": [{"role": "user", "content": "Which nerve innervates the deltoid?"}],
+               "options": ["Axillary", "Radial", "Median", "Ulnar"]}
+
+    def option(answer: str, req: dict = request) -> str | None:
+        return Review("rev-1", "medicine", "chatcmpl-1", req, answer, 0.3, 0.0).answer_option
+
+    assert [option(letter) for letter in "ADE"] == ["Axillary", "Ulnar", None]
+    assert option("The axillary nerve.") is None and option("A", {"prompt": "x"}) is None and option("") is None
 
 
 def test_missing_data_file(tmp_path):

@@ -175,6 +175,7 @@ def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tm
         assert [(r["id"], r["answer"], r["status"], r["response_id"]) for r in listed] == [
             (review_id, "A", "open", out["id"])]
         assert listed[0]["confidence"] == pytest.approx(0.7) and listed[0]["request"]["options"] == ["x", "y"]
+        assert listed[0]["answer_option"] == "x"  # what the withheld letter stands for, for the person judging it
         closed = client.post(f"/admin/reviews/{review_id}", json={"correct": False, "note": "it is y"}, headers=ADMIN)
         assert closed.status_code == 200 and closed.json()["status"] == "closed" and closed.json()["recorded"]
         again = client.post(f"/admin/reviews/{review_id}", json={"correct": False}, headers=ADMIN).json()
@@ -193,3 +194,4 @@ def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tm
         # The verdict is a label of the first model's answer at its confidence (guaranteed-risk fits read these).
         assert client.app.state.gateway.store.labelled_answers("science") == ([pytest.approx(0.7)], [False])
     assert posted and posted[0]["review_id"] == review_id and posted[0]["answer"] == "A"
+    assert posted[0]["answer_option"] == "x"

@@ -430,6 +430,7 @@ def test_a_review_round_trip_becomes_counted_feedback(stack, clients):
                             env={**__import__("os").environ, "CALM_DB_PATH": str(stack["db"])}, check=True).stdout
     (queued,) = [json.loads(line) for line in listed.splitlines()]
     assert queued["id"] == cal["review_id"] and queued["answer"] == got_text(clients, CAPITAL)
+    assert queued["answer_option"] is None and 0 <= queued["waited_s"] < 600  # free form: no option to name
     closed = httpx.post(f"{stack['inprocess']}/admin/reviews/{cal['review_id']}", json={"correct": True}, headers=ADMIN)
     assert closed.status_code == 200 and closed.json()["status"] == "closed"
     metrics = httpx.get(f"{stack['inprocess']}/metrics").text

@@ -96,6 +96,7 @@ class ReviewOut(BaseModel):
     response_id: str  # the withheld answer's response (and choice) id
     request: dict  # the caller's messages or prompt, and options
     answer: str  # the first model's answer, withheld from the caller
+    answer_option: str | None = None  # a multiple-choice answer's option text (the answer is its letter)
     confidence: float
     created_at: float
     status: Literal["open", "closed"]

@@ -106,7 +106,8 @@ ReviewId = Annotated[str, FastAPIPath(pattern=r"^rev-[0-9a-f]{1,64}$")]
 
 def review_out(review: Review) -> dict:
     return dict(id=review.id, domain=review.domain, response_id=review.response_id, request=review.request,
-                answer=review.answer, confidence=review.confidence, created_at=review.created_at,
+                answer=review.answer, answer_option=review.answer_option, confidence=review.confidence,
+                created_at=review.created_at,
                 status="open" if review.closed_at is None else "closed", correct=review.correct,
                 reviewer=review.reviewer, note=review.note, closed_at=review.closed_at)
 
