@@ -12,6 +12,7 @@ from calm_core.errors import CalmError
 
 
 def one_line_errors(fn):
+    """A user error (CalmError) is one line and exit status 2; a database the command cannot reach is one line and 1."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -19,22 +20,52 @@ def one_line_errors(fn):
         except CalmError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
+        except Exception as e:
+            unreachable = _database_unreachable(e)
+            if unreachable is None:
+                raise
+            typer.echo(f"error: cannot reach the gateway's database: {unreachable}", err=True)
+            raise typer.Exit(1) from None
 
     return wrapper
 
 
-def open_store():
+def _database_unreachable(error: Exception) -> str | None:
+    """The driver's first line when `error` is SQLAlchemy failing to connect (a server down, a wrong host or
+    password), else None. SQLAlchemy is imported only once it raised, so `calm --help` stays instant."""
+    if not type(error).__module__.startswith("sqlalchemy"):
+        return None
+    from sqlalchemy.exc import OperationalError
+
+    if not isinstance(error, OperationalError):
+        return None
+    return str(error.orig or error).strip().splitlines()[0]
+
+
+def gateway_settings(**given):
+    """The gateway's settings from CALM_* (and `given`), a wrong value refused in one line naming its variable."""
+    from pydantic import ValidationError
+
     from gateway.settings import GatewaySettings
+
+    try:
+        return GatewaySettings(**given)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = f"CALM_{str(error['loc'][0]).upper()}: " if error.get("loc") else ""
+        raise CalmError(f"invalid settings: {where}{error['msg']}") from None
+
+
+def open_store():
     from gateway.store import Store
 
-    return Store(GatewaySettings().database)
+    return Store(gateway_settings().database)
 
 
 def open_registry():
     from calm_core.registry import Registry
-    from gateway.settings import GatewaySettings
 
-    settings = GatewaySettings()
+    settings = gateway_settings()
     return Registry(open_store(), settings.registry_root, settings.registry_url)
 
 
@@ -48,7 +79,6 @@ def served_domain(domain: str, other: bool) -> str:
     from calm_core.registry import GLOBAL
     from gateway.monitoring import OTHER, known_domains
     from gateway.protocol.common import DOMAIN_NAME
-    from gateway.settings import GatewaySettings
 
     if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
         raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
@@ -57,7 +87,7 @@ def served_domain(domain: str, other: bool) -> str:
     if default is None:
         return domain
     served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
-                           GatewaySettings().domains) - (set() if other else {OTHER})
+                           gateway_settings().domains) - (set() if other else {OTHER})
     if domain not in served:
         raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
                         f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from calm_cli.common import one_line_errors, open_store, served_domain
+from calm_cli.common import gateway_settings, one_line_errors, open_store, served_domain
 from calm_cli.registry_commands import artifacts_app, jobs_app
 from calm_core.errors import CalmError
 
@@ -37,9 +37,8 @@ def _offline_engines(settings=None):
     from functools import partial
 
     from adapters.inprocess import artifact_engine
-    from gateway.settings import GatewaySettings
 
-    return partial(artifact_engine, overrides=(settings or GatewaySettings()).engine_overrides())
+    return partial(artifact_engine, overrides=(settings or gateway_settings()).engine_overrides())
 
 
 @keys_app.command("create")
@@ -434,18 +433,14 @@ def serve(
 ):
     """Run the gateway: OpenAI-compatible API with calibrated confidence (settings from CALM_* variables)."""
     import uvicorn
-    from pydantic import ValidationError
 
     from calm_cli.serving import build_gateway
     from calm_core.startup import StartupLog, stage
-    from gateway.settings import GatewaySettings
     from gateway.starting import StartingApp
 
     progress = StartupLog().install()
-    try:
-        settings = GatewaySettings(**{k: v for k, v in {"host": host, "port": port, "artifact": str(artifact) if artifact else None}.items() if v is not None})
-    except ValidationError as e:
-        raise CalmError(f"invalid settings: {e.errors()[0]['msg']}") from None
+    given = {"host": host, "port": port, "artifact": str(artifact) if artifact else None}
+    settings = gateway_settings(**{k: v for k, v in given.items() if v is not None})
     url = f"http://{settings.host}:{settings.port}"
     typer.echo(f"CALM Gateway on {url}  (model {settings.served_model_name}, engine {settings.engine.value}); "
                "/health/live answers now, /health/ready and /v1/* once the engines have started")
@@ -479,9 +474,8 @@ def engine(
     import os
 
     from calm_cli.serving import engine_server_command
-    from gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(**({"artifact": str(artifact)} if artifact else {}))
+    settings = gateway_settings(**({"artifact": str(artifact)} if artifact else {}))
     argv, env, allocator = engine_server_command(settings, host, port)
     typer.echo(allocator)
     typer.echo("exec " + " ".join(argv))
@@ -504,12 +498,11 @@ def worker(
     import logging
 
     from calm_core.db import Database
-    from gateway.settings import GatewaySettings
     from training.retrain import Worker
     from training.retrain_gate import load_loop_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    settings = GatewaySettings()
+    settings = gateway_settings()
     # Free-form modes are judged as served: vLLM in process, one engine per artifact scored.
     runner = Worker(load_loop_config(config), Database(settings.database), settings.registry_root, name, lease_s,
                     settings.model, launcher, engines=_offline_engines(settings), registry_url=settings.registry_url)

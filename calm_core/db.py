@@ -15,8 +15,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 
 def database_url(path_or_url: str | Path) -> str:
-    """A SQLAlchemy URL: PostgreSQL URLs as given (postgresql+psycopg://…), anything else a SQLite file path."""
+    """A SQLAlchemy URL: PostgreSQL URLs on psycopg 3, the driver installed (a plain postgresql:// or postgres:// URL,
+    as PostgreSQL's own tools and most platforms write it, would make SQLAlchemy look for psycopg2), other URLs as
+    given, anything else a SQLite file path."""
     text = str(path_or_url)
+    for plain in ("postgresql://", "postgres://"):
+        if text.startswith(plain):
+            return "postgresql+psycopg://" + text[len(plain):]
     if "://" in text:
         return text
     if text != ":memory:":

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from adapters.cpu_limits import omp_threads_set
 from adapters.engine_settings import EngineOverrides
@@ -31,10 +32,10 @@ class GatewaySettings(BaseSettings):
     served_model_name: str = "calm-smollm2-135m"
     artifact: str | None = None  # None = the default artifact for the embedded model
     engine: EngineKind = EngineKind.INPROCESS
-    upstream_urls: list[str] = []
+    upstream_urls: Annotated[list[str], NoDecode] = []
     # The engines one by one when CALM_UPSTREAM_URLS is a balancer in front of them: each loads and checks a version
     # before the gateway routes to it (default: the upstream URLs themselves).
-    upstream_engine_urls: list[str] = []
+    upstream_engine_urls: Annotated[list[str], NoDecode] = []
     upstream_timeout_s: float = 30.0
     upstream_connect_timeout_s: float = 2.0
     max_model_len: int = 2048
@@ -72,7 +73,8 @@ class GatewaySettings(BaseSettings):
     # then this machine's copy of the versions it uses.
     registry_url: str | None = None
     registry_poll_s: float = Field(default=2.0, gt=0)  # how soon a promotion made elsewhere serves here
-    domains: list[str] = []  # known domains besides the artifact's reference domains; others map to "other"
+    # Known domains besides the artifact's reference domains; others map to "other".
+    domains: Annotated[list[str], NoDecode] = []
     drift_window: int = 200
     feedback_window: int = 500
     max_tokens_limit: int = 1024
@@ -94,6 +96,19 @@ class GatewaySettings(BaseSettings):
     one_pass_scoring: bool = True
     option_prefix_reuse: bool = True  # one-pass options after the first read the question from vLLM's prefix cache
     risk_refit_every: int = Field(default=25, ge=1)  # guaranteed-risk policies: refit after this many new verdicts
+
+    @field_validator("upstream_urls", "upstream_engine_urls", "domains", mode="before")
+    @classmethod
+    def _list(cls, value):
+        """A list from the environment: a JSON list, or comma-separated (`http://e1:8000,http://e2:8000`, one URL)."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"{value!r} is neither a JSON list nor comma-separated") from None
+        return [item.strip() for item in value.split(",") if item.strip()]
 
     @property
     def registry_root(self) -> Path:

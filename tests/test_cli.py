@@ -117,6 +117,15 @@ def test_a_review_names_the_option_its_withheld_letter_stands_for():
     assert option("The axillary nerve.") is None and option("A", {"prompt": "x"}) is None and option("") is None
 
 
+def test_a_wrong_setting_is_named_and_an_unreachable_database_is_one_line(tmp_path):
+    assert_one_line_error(run_calm("jobs", "list", env={"CALM_KV_CACHE_MB": "abc"}),
+                          "invalid settings: CALM_KV_CACHE_MB: Input should be a valid integer")
+    down = run_calm("keys", "list", env={"CALM_DB_URL": "postgresql://calm:secret@127.0.0.1:1/calm"})
+    lines = [line for line in down.stderr.splitlines() if line.strip()]
+    assert down.returncode == 1 and len(lines) == 1, down.stderr
+    assert lines[0].startswith("error: cannot reach the gateway's database: connection failed") and "secret" not in lines[0]
+
+
 def test_missing_data_file(tmp_path):
     proc = run_calm("eval", "-d", "arc_easy", env={"CALM_DATA_DIR": str(tmp_path)})
     assert_one_line_error(proc, "data file not found")

@@ -81,6 +81,30 @@ def test_gateway_settings_carry_the_overrides(monkeypatch):
     assert resolve(GatewaySettings().engine_overrides(), detected="cpu").dtype == "float32"
 
 
+@pytest.mark.parametrize("value", ['["http://e1:8000", "http://e2:8000"]', "http://e1:8000,http://e2:8000",
+                                   " http://e1:8000 , http://e2:8000 ,"])
+def test_list_settings_take_a_json_list_or_comma_separated_values(monkeypatch, value):
+    """`CALM_UPSTREAM_URLS=http://vllm:8000` is how most people write one URL; pydantic-settings alone took only JSON
+    and refused anything else with a traceback."""
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.setenv("CALM_UPSTREAM_URLS", value)
+    monkeypatch.setenv("CALM_DOMAINS", "legal")
+    settings = GatewaySettings()
+    assert settings.upstream_urls == ["http://e1:8000", "http://e2:8000"] and settings.domains == ["legal"]
+    monkeypatch.setenv("CALM_UPSTREAM_ENGINE_URLS", "[http://e1:8000")
+    with pytest.raises(ValueError, match="neither a JSON list nor comma-separated"):
+        GatewaySettings()
+
+
+def test_a_plain_postgresql_url_runs_on_the_installed_driver():
+    from calm_core.db import database_url
+
+    for url in ("postgresql://u:pw@db:5432/calm", "postgres://u:pw@db:5432/calm", "postgresql+psycopg://u:pw@db:5432/calm"):
+        assert database_url(url) == "postgresql+psycopg://u:pw@db:5432/calm"
+    assert database_url("sqlite:///x.db") == "sqlite:///x.db"
+
+
 def test_engine_teams_that_outnumber_the_cores_wait_passively():
     """Fixed teams (an operator's count): three of 2 on 2 cores spin at each other's barriers, so passive; teams that
     fit the cores (1 each, 5 each of 16) and teams of one have nothing to spin for; an operator's OMP_WAIT_POLICY or
