@@ -195,6 +195,27 @@ def test_semantic_scorer_keeps_the_token_answer_and_measures_agreement_on_raw_sa
     assert run(SemanticScorer(engine), free_job(samples=4)).choices[0].raw_confidence is None
 
 
+def test_semantic_samples_are_seeded_by_the_question_unless_the_caller_seeds_them():
+    """The same question twice got 0.129 and 0.208 from the shipped gateway (fresh random samples each call), so a
+    policy's answer-or-abstain could flip on a repeat; seeded from the prompt, a repeat gets the same samples."""
+    from calm_core.scorers.free_form import samples_seed
+
+    engine = Scripted(lambda request: [EngineDelta(text="Paris", token_ids=[7], token_logprobs=[-0.1],
+                                                   top_logprobs=[{7: -0.1}], prompt_tokens=3, index=i,
+                                                   finish_reason="stop") for i in range(request.n)])
+    job = free_job(samples=4)
+    for _ in range(2):
+        run(SemanticScorer(engine), job)
+    first, second = engine.requests[1].seed, engine.requests[3].seed
+    assert first == second == samples_seed(job.request) and 0 <= first < 2**31
+    assert engine.requests[0].seed is None  # the answer itself: the caller's request as it is
+    other = replace(job.request, prompt=job.request.prompt + " Answer briefly.")
+    assert samples_seed(other) != first and samples_seed(replace(job.request, seed=11)) == 11
+    assert samples_seed(replace(job.request, prompt="", prompt_token_ids=(5, 6))) == samples_seed(
+        replace(job.request, prompt="", prompt_token_ids=(5, 6))) != samples_seed(replace(job.request, prompt="",
+                                                                                          prompt_token_ids=(6, 5)))
+
+
 def test_semantic_scorer_scores_each_of_n_answers_against_the_same_samples():
     def answer(request):
         if request.calibrated:

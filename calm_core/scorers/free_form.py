@@ -9,6 +9,7 @@ processors), so it needs an engine that returns prompt log-probs.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import ClassVar
 
 from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
@@ -60,6 +61,15 @@ class TokenScorer:
         return sequence_confidence(lps)
 
 
+def samples_seed(request: EngineRequest) -> int:
+    """The seed of a request's semantic samples: the caller's, else one drawn from the prompt, so the same question
+    gets the same samples and its confidence (and whether a policy answers it) does not change from call to call."""
+    if request.seed is not None:
+        return request.seed
+    prompt = request.prompt or " ".join(map(str, request.prompt_token_ids or ()))
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") >> 1  # vLLM takes any int; keep it 31-bit
+
+
 class SemanticScorer:
     path: ClassVar[ScoringPath] = ScoringPath.SEMANTIC
     kind: ClassVar[AnswerKind] = AnswerKind.FREE_FORM
@@ -74,11 +84,12 @@ class SemanticScorer:
     async def score(self, job: ScoringJob) -> Scoring:
         """The answers are those token confidence would return for the same request (a confidence method never changes
         an answer). Beside them, `job.samples` answers are drawn in one engine call from the same weights without the
-        α head, at the version's sampling temperature; each answer's confidence is the version's map of the share of
-        samples that agree with it (`calm_core/answers.agreement` ≥ 1/2), its raw confidence that share unmapped."""
+        α head, at the version's sampling temperature (seeded: `samples_seed`); each answer's confidence is the
+        version's map of the share of samples that agree with it (`calm_core/answers.agreement` ≥ 1/2), its raw
+        confidence that share unmapped."""
         cal = self.calibration
         sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
-                              max_tokens=min(job.request.max_tokens, cal.max_tokens))
+                              max_tokens=min(job.request.max_tokens, cal.max_tokens), seed=samples_seed(job.request))
         outs, samples = await asyncio.gather(generate_choices(self.engine, job.request),
                                              generate_choices(self.engine, sampled))
         texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
