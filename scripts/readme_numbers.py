@@ -81,6 +81,7 @@ BLOCKS = [
     Block("open-ended-report", "calm report --task open-ended --out reports/open-ended",
           REPO / "reports" / "open-ended" / "report.md", report_body),
     Block("fleet", "python benchmarks/bench_fleet.py", RESULTS / "fleet.md"),
+    Block("gateway", "python benchmarks/bench_gateway.py", RESULTS / "gateway.md"),
     Block("escalation-latency", "python benchmarks/bench_escalation.py", RESULTS / "escalation.md"),
     Block("long-mc", "python benchmarks/bench_long_mc.py", RESULTS / "long_mc.md"),
     Block("block-size", "python benchmarks/bench_block_size.py", RESULTS / "block_size.md"),
