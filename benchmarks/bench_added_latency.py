@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 from adapters.upstream import _payload  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
+from calm_core.prompts import render_chat  # noqa: E402
 from calm_core.engine import EngineRequest  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
@@ -50,7 +51,11 @@ TOP = 5
 def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]:
     """Each variant's (path, body) for one question."""
     messages = [{"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # The prompt's token ids as the gateway makes them: the rendered chat text, encoded without special tokens.
+    # (apply_chat_template(tokenize=True) returns a BatchEncoding in this transformers: list() of it was its two key
+    # names, which vLLM took as two 3-token prompts, so every completions variant here measured two 16-token answers to
+    # nothing until 2026-12-04.)
+    ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
     chat = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": True,
             "top_logprobs": TOP}
     plain = {"model": MODEL, "prompt": list(ids), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": TOP,
