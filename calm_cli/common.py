@@ -56,17 +56,17 @@ def gateway_settings(**given):
         raise CalmError(f"invalid settings: {where}{error['msg']}") from None
 
 
-def open_store():
+def open_store(settings=None):
     from gateway.store import Store
 
-    return Store(gateway_settings().database)
+    return Store((settings or gateway_settings()).database)
 
 
-def open_registry():
+def open_registry(settings=None):
     from calm_core.registry import Registry
 
-    settings = gateway_settings()
-    return Registry(open_store(), settings.registry_root, settings.registry_url)
+    settings = settings or gateway_settings()
+    return Registry(open_store(settings), settings.registry_root, settings.registry_url)
 
 
 def served_domain(domain: str, other: bool) -> str:
@@ -82,12 +82,13 @@ def served_domain(domain: str, other: bool) -> str:
 
     if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
         raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
-    registry = open_registry()
+    settings = gateway_settings()
+    registry = open_registry(settings)
     default = registry.active().get(GLOBAL)
     if default is None:
         return domain
     served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
-                           gateway_settings().domains) - (set() if other else {OTHER})
+                           settings.domains) - (set() if other else {OTHER})
     if domain not in served:
         raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
                         f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")

@@ -111,7 +111,6 @@ def reviews_list(
                                "correct": review.correct, "note": review.note}))
 
 
-
 @model_app.command("prepare")
 @one_line_errors
 def model_prepare(

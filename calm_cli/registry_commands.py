@@ -74,7 +74,7 @@ def artifacts_add(
     """Register an artifact made outside the loop as a candidate version: verified, copied into the registry, its
     lineage recorded (a recalibrated version's parent and held-out check); promote it here or with `promote`."""
     from calm_core.artifact import load_artifact
-    from calm_core.registry import GLOBAL, RegistryError
+    from calm_core.registry import GLOBAL
 
     manifest = load_artifact(folder).manifest
     lineage = manifest.recalibration
@@ -90,11 +90,8 @@ def artifacts_add(
                           metrics={"recalibration": lineage.held_out} if lineage else None)
     typer.echo(f"{record.version}: {'already registered' if known else 'registered'} ({record.status}, "
                f"domain={record.domain or '*'}, parent={record.parent or '-'})")
-    if promote:
-        try:
-            previous = registry.promote(record.version, record.domain or GLOBAL, actor="cli")
-        except RegistryError as e:
-            raise CalmError(str(e)) from None
+    if promote:  # a refusal is a RegistryError, a CalmError: one line
+        previous = registry.promote(record.version, record.domain or GLOBAL, actor="cli")
         typer.echo(f"{record.domain or '*'}: {record.version} (was {previous or 'the default'})")
     elif record.status == "candidate":
         typer.echo(f"serve it: calm artifacts promote {record.version} --domain {record.domain or '*'}")
@@ -104,14 +101,9 @@ def artifacts_add(
 @one_line_errors
 def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="the domain it serves; * = the default")] = "*"):
     """Make a version serve a domain (a candidate left for the operator, or any earlier one)."""
-    from calm_core.registry import RegistryError
-
     if domain != "*":
         served_domain(domain, other=False)
-    try:
-        previous = open_registry().promote(version, domain, actor="cli")
-    except RegistryError as e:
-        raise CalmError(str(e)) from None
+    previous = open_registry().promote(version, domain, actor="cli")  # RegistryError is a CalmError: one line
     typer.echo(f"{domain}: {version} (was {previous or 'the default'})")
 
 
@@ -119,12 +111,7 @@ def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="th
 @one_line_errors
 def artifacts_rollback(domain: Annotated[str, typer.Option(help="the domain to roll back; * = the default")] = "*"):
     """Return a domain to the version it had before (a domain's own version rolls back to the default)."""
-    from calm_core.registry import RegistryError
-
-    try:
-        version = open_registry().rollback(domain, actor="cli")
-    except RegistryError as e:
-        raise CalmError(str(e)) from None
+    version = open_registry().rollback(domain, actor="cli")  # RegistryError is a CalmError: one line
     typer.echo(f"{domain}: {version or 'the default'}")
 
 
@@ -136,7 +123,6 @@ def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
     from calm_core.jobs import FINISHED, OPEN, JobQueue
 
     _known(status, OPEN + FINISHED)
-
     for j in JobQueue(open_store()).list(domain, status):
         typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "
                    f"attempts={j.attempts}  candidate={j.candidate or '-'}")
