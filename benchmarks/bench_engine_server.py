@@ -178,5 +178,6 @@ def markdown(summary: dict) -> str:
               f"{summary['max_confidence_difference']:.1e}). tcmalloc in the engine's memory map, per round: {mapped}."]
     return "\n".join(lines) + "\n"
 
+
 if __name__ == "__main__":
     main()

@@ -29,6 +29,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
+from benchmarks.bench_engine_server import engine_usage  # noqa: E402  (a process tree's CPU, from /proc)
 from benchmarks.bench_gateway import (  # noqa: E402
     CONCURRENCY, FREE_TOKENS, load, make_sender, ratio_rows, workloads,
 )
@@ -46,26 +47,25 @@ ROLES = ("engines", "gateways", "haproxy", "postgres", "load")
 
 
 def cpu_seconds(fleet: Fleet) -> dict[str, float]:
-    """User + kernel CPU seconds so far of each part of the fleet (a process's tree; PostgreSQL's processes by name)."""
-    roots = {"engines": ["engine0", "engine1"], "gateways": ["gateway0", "gateway1"], "haproxy": ["haproxy"]}
-    procs: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
-    for role, names in roots.items():
-        for name in names:
-            root = psutil.Process(fleet.procs[name].pid)
-            procs[role] += [root, *root.children(recursive=True)]
-    procs["postgres"] = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"]
-    procs["load"] = [psutil.Process()]
-    usage = {}
-    for role, members in procs.items():
+    """User + kernel CPU seconds so far of each part of the fleet (a process's tree; PostgreSQL's processes by name;
+    this process alone, whose children are the fleet)."""
+    def tree(name: str) -> float:
+        usage = engine_usage(fleet.procs[name].pid)
+        return usage["user_s"] + usage["system_s"]
+
+    def alone(procs) -> float:
         total = 0.0
-        for proc in members:
+        for proc in procs:
             try:
-                t = proc.cpu_times()
+                total += sum(proc.cpu_times()[:2])
             except psutil.NoSuchProcess:
                 continue
-            total += t.user + t.system
-        usage[role] = total
-    return usage
+        return total
+
+    return {"engines": tree("engine0") + tree("engine1"), "gateways": tree("gateway0") + tree("gateway1"),
+            "haproxy": tree("haproxy"),
+            "postgres": alone(p for p in psutil.process_iter(["name"]) if p.info["name"] == "postgres"),
+            "load": alone([psutil.Process()])}
 
 
 def measured_level(fleet: Fleet, runs: dict[str, tuple[str, list[dict]]], concurrency: int) -> dict:
