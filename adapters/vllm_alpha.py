@@ -129,20 +129,24 @@ class AlphaHeadLogitsProcessor(LogitsProcessor):
         if not self.active:
             return logits
         width = logits.shape[-1]
-        rows = {r: k for r, k in self.rows.items() if r < logits.shape[0]}
 
         def alpha(scale, shift, x):
             if scale is None:  # no head of the engine's own
                 return x
             return apply_alpha(x, scale[:width].to(x.dtype), shift[:width].to(x.dtype))
 
-        if not rows:
-            return alpha(self.scale, self.shift, logits)
-        original = logits.clone()
-        out = alpha(self.scale, self.shift, logits)
-        groups: dict[str, list[int]] = {}
-        for row, key in rows.items():
+        def head(key):
+            return (None, None) if key == _RAW else (self.scale, self.shift) if key is None else self._head(key)
+
+        # Each row's head key (None: the engine's own). A batch on one head (a gateway names its version in every
+        # request) takes one pass over it; only a mixed batch is split into groups of rows.
+        keys = [self.rows.get(row) for row in range(logits.shape[0])]
+        if len(set(keys)) <= 1:
+            return alpha(*head(keys[0] if keys else None), logits)
+        groups: dict[str | None, list[int]] = {}
+        for row, key in enumerate(keys):
             groups.setdefault(key, []).append(row)
         for key, members in groups.items():
-            out[members] = original[members] if key == _RAW else alpha(*self._head(key), original[members])
-        return out
+            if key != _RAW:
+                logits[members] = alpha(*head(key), logits[members])  # indexing copies the rows: groups are disjoint
+        return logits

@@ -122,6 +122,13 @@ def test_requests_may_name_another_artifacts_head_and_keep_it_through_moves(proc
     check3(["raw", "own", "other"])
     proc.update_state(BatchUpdate(batch_size=2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     check3(["other", "own"])
+    # A batch on one named head (a gateway's: every request names its version) takes the one-pass path.
+    # (A slot refilled is only in `added`: vLLM drops it from `removed`.)
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], added=[(1, named, None, [])], moved=[]))
+    check3(["other", "other"])
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                  added=[(0, params(False), None, []), (1, params(False), None, [])]))
+    check3(["raw", "raw"])
 
 
 @pytest.mark.parametrize("name", ["/etc", "../a", "a/../b", "", ".hidden", "b/", 7, "x" * 200, "nope"])
