@@ -11,6 +11,8 @@ refuses the connection or times out makes the request fail fast with EngineUnava
 aiohttp rather than httpx: httpcore's pool and anyio locks were a third of a request's samples at the gateway's
 ceiling; aiohttp's C HTTP parser and plain asyncio locks cost a fraction of that (benchmarks/bench_lean.py --profile).
 Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are keyed by id, as in-process.
+An answer the gateway waits for whole (every request but a free-form one streamed to its client) is asked for whole
+(`generate_whole`): vLLM's API server, on the engine's cores, then formats one response instead of one per token.
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ def _token_id(token: str) -> int:
     return int(token[9:]) if token.startswith("token_id:") else int(token.rsplit(":", 1)[1])
 
 
-def _payload(model: str, head: str | None, r: EngineRequest) -> dict:
+def _payload(model: str, head: str | None, r: EngineRequest, stream: bool = True) -> dict:
     """The completion request vLLM gets: on `model` (base weights or an adapter), the α head `head` named (None: the
-    engine's own), the head switched off for raw numbers."""
+    engine's own), the head switched off for raw numbers; streamed, or answered whole."""
     body = {
         "model": model, "prompt": list(r.prompt_token_ids) if r.prompt_token_ids else r.prompt,
-        "max_tokens": r.max_tokens, "temperature": r.temperature,
-        "top_p": r.top_p, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": r.max_tokens, "temperature": r.temperature, "top_p": r.top_p,
         "return_tokens_as_token_ids": True, "add_special_tokens": False,
     }
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     if r.seed is not None:
         body["seed"] = r.seed
     sampling = dict(n=r.n, top_k=r.top_k, min_p=r.min_p, presence_penalty=r.presence_penalty,
@@ -112,9 +115,12 @@ def _stream_error(error: dict) -> Exception:
 
 
 def _deltas(chunk: dict) -> list[EngineDelta]:
-    """One delta per choice in the chunk (n > 1 interleaves them); the usage chunk carries the prompt's length."""
+    """One delta per choice in the chunk (n > 1 interleaves them); the usage chunk carries the prompt's length (a
+    whole answer has both)."""
     if chunk.get("usage") and not chunk.get("choices"):
         return [EngineDelta(prompt_tokens=chunk["usage"].get("prompt_tokens"))]
+    if chunk.get("usage"):
+        return _deltas({"choices": chunk["choices"]}) + _deltas({"usage": chunk["usage"]})
     deltas = []
     for choice in chunk.get("choices") or []:
         delta = EngineDelta(text=choice.get("text") or "", finish_reason=choice.get("finish_reason"),
@@ -129,12 +135,13 @@ def _deltas(chunk: dict) -> list[EngineDelta]:
 
 
 DOWN_S = 10.0  # an upstream that failed is tried last for this long
+KEEPALIVE_S = 4.0  # an idle pooled connection is closed after this long: under vLLM's 5 s
 
 
 class _UpstreamDown(Exception):
-    """This upstream cannot serve now: try the next one. `unanswered`: the connection was closed before any answer
-    (a kept-alive connection the other side had just closed, e.g. a balancer after a server behind it died), so the
-    request reached no engine and may be sent again at once."""
+    """This upstream cannot serve now: try the next one. `unanswered`: the connection was closed or reset before any
+    answer (a kept-alive connection the other side had just closed: a balancer after a server behind it died, a server
+    dropping it as idle), so the request reached no engine and may be sent again at once."""
 
     def __init__(self, message: str, unanswered: bool = False):
         super().__init__(message)
@@ -145,7 +152,7 @@ class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
                  timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
                  has_adapter: bool = False, free_form_mode: bool = False, free_form_adapter: bool = False,
-                 engine_urls: list[str] | None = None):
+                 engine_urls: list[str] | None = None, answer_timeout_s: float = 300.0):
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
@@ -170,11 +177,18 @@ class UpstreamVLLMEngine:
         self._down_until: dict[str, float] = {}  # upstream -> monotonic time until which it is tried last
         # No total limit (a long answer streams for as long as it takes); connecting and each read are bounded.
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=timeout_s)
+        # A whole answer arrives in one piece, after its last token: its wait is bounded as a whole (the gateway
+        # passes its request deadline).
+        self._answer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
+                                                     sock_read=max(answer_timeout_s, timeout_s))
         self._max_connections = max_connections
         self._client: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections)
+        # Idle connections are dropped before vLLM's server drops them (uvicorn, VLLM_HTTP_TIMEOUT_KEEP_ALIVE=5 s), so
+        # a request is rarely sent on a connection the server is closing; when one is, it is sent again (_UpstreamDown).
+        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections,
+                                         keepalive_timeout=KEEPALIVE_S)
         self._client = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
 
     def _order(self) -> list[str]:
@@ -184,7 +198,16 @@ class UpstreamVLLMEngine:
         now = time.monotonic()
         return [u for u in ring if self._down_until.get(u, 0) <= now] + [u for u in ring if self._down_until.get(u, 0) > now]
 
-    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        return self._failover(request, whole=False)
+
+    async def generate_whole(self, request: EngineRequest) -> list[EngineDelta]:
+        """The whole answer in one response (`stream: false`): what a caller that waits for all of it anyway asks
+        for, since vLLM's API server then formats one response instead of a chunk per token on the engine's cores
+        (benchmarks/bench_added_latency.py)."""
+        return [delta async for delta in self._failover(request, whole=True)]
+
+    async def _failover(self, request: EngineRequest, whole: bool) -> AsyncIterator[EngineDelta]:
         """Fail over: an upstream that cannot be reached, times out before answering or answers 5xx is marked down
         for DOWN_S and the next one is asked; once output has been streamed, a failure is the request's (503)."""
         if self._client is None:
@@ -194,7 +217,7 @@ class UpstreamVLLMEngine:
             for again in (False, True):
                 started, attempt = False, time.monotonic()
                 try:
-                    async for delta in self._stream_from(url, request):
+                    async for delta in self._stream_from(url, request, whole):
                         started = True
                         yield delta
                     self._down_until.pop(url, None)
@@ -221,18 +244,26 @@ class UpstreamVLLMEngine:
         adapter = self.free_form_adapter if free_form else (request.adapter and self.has_adapter)
         return (name if adapter else self.model_name), name
 
-    async def _stream_from(self, url: str, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+    async def _stream_from(self, url: str, request: EngineRequest, whole: bool = False) -> AsyncIterator[EngineDelta]:
         answered = False
         try:
             model, head = self.route(request)
-            body = _encode(_payload(model, head, request))
-            async with self._client.post(f"{url}/v1/completions", data=body, headers=_JSON) as resp:
+            body = _encode(_payload(model, head, request, stream=not whole))
+            timeout = self._answer_timeout if whole else self._timeout
+            async with self._client.post(f"{url}/v1/completions", data=body, headers=_JSON, timeout=timeout) as resp:
                 answered = True
                 if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
                 if resp.status != 200:
                     raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
+                if whole:
+                    answer = _decode(await resp.read())
+                    if "error" in answer:
+                        raise _stream_error(answer["error"])
+                    for delta in _deltas(answer):
+                        yield delta
+                    return
                 # Read to the end of the body, past [DONE]: a connection whose body was left unread is closed, not
                 # reused, and a new connection per request costs more than the rest of the request.
                 async for data in _sse_data(resp.content):
@@ -246,7 +277,9 @@ class UpstreamVLLMEngine:
         except asyncio.TimeoutError:
             raise _UpstreamDown(f"upstream {url} timed out") from None
         except aiohttp.ClientError as e:
-            unanswered = not answered and isinstance(e, aiohttp.ServerDisconnectedError)
+            # Closed or reset before any answer (not refused: that is a connection that never was).
+            unanswered = not answered and (isinstance(e, aiohttp.ServerDisconnectedError) or (
+                isinstance(e, aiohttp.ClientOSError) and not isinstance(e, aiohttp.ClientConnectorError)))
             raise _UpstreamDown(f"upstream {url} unreachable ({type(e).__name__})", unanswered) from None
 
     def describe(self) -> dict:
@@ -269,7 +302,7 @@ class UpstreamVLLMEngine:
         for url in self.engine_urls:
             try:
                 for probe in probes:
-                    async for _ in self._stream_from(url, probe):
+                    async for _ in self._stream_from(url, probe, whole=True):
                         pass
                 ready.append(url)
             except _UpstreamDown as e:

@@ -8,14 +8,15 @@ this client on core 0, as bench_lean.py's engine part runs. Free-form chat quest
 Each question is sent once per variant in a row (the order rotating per question), so every variant meets the same
 machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call.
 
-Variants, each one change from the previous:
+Variants, each one change from the one named in brackets:
   chat+logprobs        the direct baseline of lean.md: /v1/chat/completions, logprobs, top_logprobs 5, JSON
-  completions-ids      /v1/completions with the chat template's token ids as prompt, logprobs 5, JSON
-  +stream              the same streamed (SSE, usage chunk)
-  +token-ids-out       return_tokens_as_token_ids (what the gateway parses)
-  +alpha-head          the α head named per request (vllm_xargs): exactly the gateway's payload
-                       (adapters/upstream.py `_payload`)
-  gateway              the same question through `calm serve` in upstream mode
+  completions-ids      /v1/completions with the chat template's token ids as prompt, logprobs 5, JSON (chat+logprobs)
+  +token-ids-out       return_tokens_as_token_ids, what the gateway parses (completions-ids)
+  +alpha-head          the α head named per request (vllm_xargs): exactly the gateway's payload for a question
+                       answered whole (adapters/upstream.py `_payload`) (+token-ids-out)
+  gateway              the same question through `calm serve` in upstream mode (+alpha-head)
+  +stream              the gateway's payload streamed (SSE, usage chunk), as it asks for a streamed free-form answer,
+                       and as it asked for every answer before 2026-12-04 (+alpha-head)
 Results: added_latency.json and added_latency.md in --out.
 """
 
@@ -60,14 +61,19 @@ def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]
             "top_logprobs": TOP}
     plain = {"model": MODEL, "prompt": list(ids), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": TOP,
              "add_special_tokens": False}
-    streamed = {**plain, "stream": True, "stream_options": {"include_usage": True}}
-    ids_out = {**streamed, "return_tokens_as_token_ids": True}
-    exact = _payload(MODEL, head, EngineRequest("bench", prompt="", prompt_token_ids=tuple(ids), max_tokens=MAX_TOKENS,
-                                                temperature=0.0, top_logprobs=TOP))
+    ids_out = {**plain, "return_tokens_as_token_ids": True}
+    request = EngineRequest("bench", prompt="", prompt_token_ids=tuple(ids), max_tokens=MAX_TOKENS, temperature=0.0,
+                            top_logprobs=TOP)
+    exact, streamed = (_payload(MODEL, head, request, stream=stream) for stream in (False, True))
     gateway = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     return {"chat+logprobs": ("/v1/chat/completions", chat), "completions-ids": ("/v1/completions", plain),
-            "+stream": ("/v1/completions", streamed), "+token-ids-out": ("/v1/completions", ids_out),
-            "+alpha-head": ("/v1/completions", exact), "gateway": ("/v1/chat/completions", gateway)}
+            "+token-ids-out": ("/v1/completions", ids_out), "+alpha-head": ("/v1/completions", exact),
+            "gateway": ("/v1/chat/completions", gateway), "+stream": ("/v1/completions", streamed)}
+
+
+# The variant each step is measured from (one change each).
+STEP_FROM = {"completions-ids": "chat+logprobs", "+token-ids-out": "completions-ids", "+alpha-head": "+token-ids-out",
+             "gateway": "+alpha-head", "+stream": "+alpha-head"}
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:
@@ -127,12 +133,12 @@ def main() -> None:
     os.sched_setaffinity(0, range(os.cpu_count()))
     per_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in samples.items()}
     base = per_q["chat+logprobs"]
-    names = list(per_q)
     results = {name: {"p50_ms": statistics.median(per_q[name].values()),
                       "vs_direct_ms": statistics.median(per_q[name][i] - base[i] for i in base),
-                      "step_ms": (statistics.median(per_q[name][i] - per_q[names[k - 1]][i] for i in base)
-                                  if k else 0.0)}
-               for k, name in enumerate(names)}
+                      "step_from": STEP_FROM.get(name),
+                      "step_ms": (statistics.median(per_q[name][i] - per_q[STEP_FROM[name]][i] for i in base)
+                                  if name in STEP_FROM else 0.0)}
+               for name in per_q}
     results["_run"] = {"questions": len(questions), "rounds": args.rounds, "max_tokens": MAX_TOKENS}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "added_latency.json").write_text(json.dumps(results, indent=2))
@@ -145,11 +151,12 @@ def markdown(r: dict) -> str:
     lines = [f"`python benchmarks/bench_added_latency.py` (one run, {run['questions']} TriviaQA questions x "
              f"{run['rounds']} rounds, {run['max_tokens']} tokens greedy, concurrency 1; `calm engine` alone on core 1, "
              "gateway and client on core 0):", "",
-             "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) |",
-             "|---|---:|---:|---:|"]
+             "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) | step from |",
+             "|---|---:|---:|---:|---|"]
     for name, x in r.items():
         if not name.startswith("_"):
-            lines.append(f"| {name} | {x['p50_ms']:.1f} | {x['vs_direct_ms']:+.1f} ms | {x['step_ms']:+.1f} ms |")
+            lines.append(f"| {name} | {x['p50_ms']:.1f} | {x['vs_direct_ms']:+.1f} ms | {x['step_ms']:+.1f} ms "
+                         f"| {x['step_from'] or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -109,7 +109,8 @@ class EngineClient(Protocol):
     artifact_version: str
     max_model_len: int
     folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
-    # Optional: `prefix_reuse` (honours `reuse_prefix`) and `prefix_block` (tokens per cache block), in-process vLLM.
+    # Optional: `prefix_reuse` (honours `reuse_prefix`) and `prefix_block` (tokens per cache block), in-process vLLM;
+    # `async generate_whole(request) -> list[EngineDelta]`: the whole output at once, cheaper than its stream (upstream).
     free_form_mode: bool  # serves `free_form` requests: the artifact's free-form weights and head
     prompt_logprobs: bool  # answers `prompt_logprobs` requests (raw free-form confidence needs them)
 
@@ -136,10 +137,19 @@ class EngineFactory(Protocol):
     def __call__(self, base_model: str, artifact_dir: str) -> AbstractAsyncContextManager[EngineClient]: ...
 
 
+async def whole_answer(engine: EngineClient, request: EngineRequest) -> list[EngineDelta]:
+    """Every piece of a request's output, asked for whole where the engine offers it (`generate_whole`: an upstream
+    server formats one response instead of one per token), else collected from its stream."""
+    whole = getattr(engine, "generate_whole", None)
+    if whole is not None:
+        return await whole(request)
+    return [d async for d in engine.stream(request)]
+
+
 async def generate(engine: EngineClient, request: EngineRequest) -> EngineOutput:
-    return EngineOutput.collect([d async for d in engine.stream(request)])
+    return EngineOutput.collect(await whole_answer(engine, request))
 
 
 async def generate_choices(engine: EngineClient, request: EngineRequest) -> list[EngineOutput]:
     """All n completions of a request, in index order."""
-    return EngineOutput.collect_choices([d async for d in engine.stream(request)], request.n)
+    return EngineOutput.collect_choices(await whole_answer(engine, request), request.n)

@@ -3,6 +3,7 @@ upstream listed first: requests fail over to the live one), and only dead upstre
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -115,6 +116,17 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         # upstreams down answered with a quick 503: test_dead_upstream_returns_503_quickly above.
 
 
+def answer_text(streamed: bool) -> str:
+    """vLLM's answer to a completion request, whole or as SSE (its usage in a chunk of its own)."""
+    choice = {"index": 0, "text": "Paris", "finish_reason": "stop",
+              "logprobs": {"tokens": ["token_id:7"], "token_logprobs": [-0.5], "top_logprobs": [{"token_id:7": -0.5}]}}
+    usage = {"prompt_tokens": 3, "completion_tokens": 1}
+    if not streamed:
+        return json.dumps({"choices": [choice], "usage": usage})
+    return f"data: {json.dumps({'choices': [choice]})}\n\ndata: {json.dumps({'choices': [], 'usage': usage})}\n\n" \
+           "data: [DONE]\n\n"
+
+
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
     """The failover logic over real sockets: a refused connection or a 5xx moves the request to the next upstream
     before any output; the failed one is asked last for a while; all failing is a 503 naming each."""
@@ -122,17 +134,19 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
 
     from aiohttp import web
 
-    from calm_core.engine import EngineRequest, EngineUnavailable, generate
+    from calm_core.engine import EngineOutput, EngineRequest, EngineUnavailable, generate
     from adapters.upstream import UpstreamVLLMEngine
 
     seen = []
-    sse = ('data: {"choices": [{"index": 0, "text": "Paris", "finish_reason": "stop", "logprobs": null}], '
-           '"usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
 
     def server(name: str, status: int):
         async def completions(request: web.Request) -> web.Response:
             seen.append(name)
-            return web.Response(status=status, text=sse if status == 200 else "boom", content_type="text/event-stream")
+            if status != 200:
+                return web.Response(status=status, text="boom")
+            streamed = (await request.json()).get("stream", False)
+            return web.Response(text=answer_text(streamed),
+                                content_type="text/event-stream" if streamed else "application/json")
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
         return app
@@ -151,30 +165,36 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
         engine = UpstreamVLLMEngine(urls, MODEL, "v", 2048)
         await engine.start()
         try:
-            return [await generate(engine, EngineRequest(request_id=str(i), prompt="q")) for i in range(4)]
+            whole = [await generate(engine, EngineRequest(request_id=str(i), prompt="q")) for i in range(2)]
+            streamed = [EngineOutput.collect([d async for d in engine.stream(EngineRequest(str(i), prompt="q"))])
+                        for i in range(2, 4)]
+            return whole + streamed
         finally:
             await engine.close()
             for runner in runners:
                 await runner.cleanup()
 
     outs = asyncio.run(run(["down", "broken", "live"]))
-    assert [o.text for o in outs] == ["Paris"] * 4
+    assert [(o.text, o.token_ids, o.finish_reason, o.prompt_tokens) for o in outs] == [("Paris", [7], "stop", 3)] * 4
     assert seen == ["broken", "live", "live", "live", "live"]  # down refused; the failed ones are asked last
     seen.clear()
     with pytest.raises(EngineUnavailable, match="unreachable.*HTTP 500"):
         asyncio.run(run(["down", "broken"]))
 
 
-def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one():
-    """With one balancer URL there is no next upstream: a request whose connection is closed before any answer (a
-    kept-alive connection the balancer had just closed) is sent once more, on a new connection, and answered."""
+@pytest.mark.parametrize("how", ["closed", "reset"])
+def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one(how):
+    """With one balancer URL there is no next upstream: a request whose connection is closed or reset before any
+    answer (a kept-alive connection the balancer or the engine's server had just closed as idle: vLLM's uvicorn does
+    after 5 s) is sent once more, on a new connection, and answered."""
     import asyncio
+    import socket
+    import struct
 
     from calm_core.engine import EngineRequest, generate
     from adapters.upstream import UpstreamVLLMEngine
 
-    sse = (b'data: {"choices": [{"index": 0, "text": "Paris", "finish_reason": "stop", "logprobs": null}], '
-           b'"usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
+    body = answer_text(streamed=False).encode()
     connections = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -183,9 +203,11 @@ def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one():
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
         await reader.readexactly(length)
         if len(connections) > 1:  # the first connection is closed without an answer
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-                         % (len(sse), sse))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
             await writer.drain()
+        elif how == "reset":  # an RST, not a FIN: the client reads "connection reset by peer"
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.close()
 
     async def run():
@@ -200,3 +222,39 @@ def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one():
             server.close()
 
     assert asyncio.run(run()).text == "Paris" and len(connections) == 2
+
+
+def test_a_whole_answer_is_awaited_as_a_whole_and_a_stream_chunk_by_chunk():
+    """An answer asked for whole arrives after its last token, so it is bounded by the answer timeout (the gateway's
+    request deadline), not by the wait for each chunk of a stream: an engine that takes longer than a chunk's wait
+    to answer whole is not taken for a hung one, while the same wait before a stream's first chunk is a timeout."""
+    import asyncio
+
+    from aiohttp import web
+
+    from calm_core.engine import EngineRequest, EngineUnavailable, generate
+    from adapters.upstream import UpstreamVLLMEngine
+
+    async def completions(request: web.Request) -> web.Response:
+        streamed = (await request.json()).get("stream", False)
+        await asyncio.sleep(1.0)  # five times the chunk wait below
+        return web.Response(text=answer_text(streamed), content_type="application/json")
+
+    async def run(stream: bool):
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner, port = web.AppRunner(app), free_port()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        engine = UpstreamVLLMEngine([f"http://127.0.0.1:{port}"], MODEL, "v", 2048, timeout_s=0.2, answer_timeout_s=30)
+        await engine.start()
+        try:
+            request = EngineRequest("r", prompt="q")
+            return [d async for d in engine.stream(request)] if stream else await generate(engine, request)
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    assert asyncio.run(run(stream=False)).text == "Paris"
+    with pytest.raises(EngineUnavailable, match="timed out"):
+        asyncio.run(run(stream=True))
