@@ -29,7 +29,6 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 
 from adapters.vllm_common import (ARTIFACT_CONFIG_KEY, ARTIFACT_ENV, HEAD_ARG_KEY, OPT_OUT_KEY, additional_config,
                                   resolve_version)
-from calm_core.alpha_head import apply_alpha
 from calm_core.artifact import MANIFEST_FILE, load_artifact
 
 
@@ -133,7 +132,8 @@ class AlphaHeadLogitsProcessor(LogitsProcessor):
         def alpha(scale, shift, x):
             if scale is None:  # no head of the engine's own
                 return x
-            return apply_alpha(x, scale[:width].to(x.dtype), shift[:width].to(x.dtype))
+            # d ⊙ z + l (calm_core.alpha_head.apply_alpha) in one fused pass: half the time of a multiply, then an add
+            return torch.addcmul(shift[:width].to(x.dtype), x, scale[:width].to(x.dtype))
 
         def head(key):
             return (None, None) if key == _RAW else (self.scale, self.shift) if key is None else self._head(key)
