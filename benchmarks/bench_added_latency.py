@@ -6,7 +6,9 @@ time from the direct call it is compared with, then the gateway itself, at concu
 `calm engine` (vLLM on CPU, the embedded model, identity artifact) alone on core 1; the gateway (upstream mode) and
 this client on core 0, as bench_lean.py's engine part runs. Free-form chat questions (TriviaQA), 16 tokens, greedy.
 Each question is sent once per variant in a row (the order rotating per question), so every variant meets the same
-machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call.
+machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call,
+and the CPU the engine's API server process spent per request (the HTTP side of vLLM, on the engine's core: what
+formatting an answer costs, without the noise of 1 s answers).
 
 Variants, each one change from the one named in brackets:
   chat+logprobs        the direct baseline of lean.md: /v1/chat/completions, logprobs, top_logprobs 5, JSON
@@ -76,6 +78,12 @@ STEP_FROM = {"completions-ids": "chat+logprobs", "+token-ids-out": "completions-
              "gateway": "+alpha-head", "+stream": "+alpha-head"}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User and kernel CPU seconds of one process so far (/proc/PID/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(client: httpx.Client, url: str, body: dict) -> float:
     started = time.perf_counter()
     with client.stream("POST", url, json=body) as response:
@@ -110,9 +118,10 @@ def main() -> None:
     engine, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw}"
     os.sched_setaffinity(0, {0})
     samples: dict[str, dict[int, list[float]]] = {}
+    api_cpu: dict[str, float] = {}  # the engine's API server's CPU seconds, summed per variant
     with ExitStack() as stack:
-        stack.enter_context(running(["taskset", "-c", "1", *argv], f"{engine}/health", logs / "engine.log",
-                                    env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}, timeout=300))
+        server = stack.enter_context(running(["taskset", "-c", "1", *argv], f"{engine}/health", logs / "engine.log",
+                                             env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}, timeout=300))
         gw_env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([engine]), "CALM_ARTIFACT": str(identity),
                   "CALM_DB_PATH": str(logs / "gateway.sqlite3"), "CALM_REGISTRY_DIR": str(registry)}
         stack.enter_context(running(["taskset", "-c", "0", *calm_argv("serve", "--port", str(gw))], f"{gateway}/health",
@@ -128,7 +137,9 @@ def main() -> None:
                 k = (i + r) % len(named)
                 for name, (path, body) in named[k:] + named[:k]:
                     base = gateway if name == "gateway" else engine
+                    cpu = process_cpu_s(server.pid)  # taskset execs the server: its pid is the API server's
                     samples.setdefault(name, {}).setdefault(i, []).append(timed(client, base + path, body))
+                    api_cpu[name] = api_cpu.get(name, 0.0) + process_cpu_s(server.pid) - cpu
             print(f"round {r + 1} done", flush=True)
     os.sched_setaffinity(0, range(os.cpu_count()))
     per_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in samples.items()}
@@ -136,6 +147,7 @@ def main() -> None:
     results = {name: {"p50_ms": statistics.median(per_q[name].values()),
                       "vs_direct_ms": statistics.median(per_q[name][i] - base[i] for i in base),
                       "step_from": STEP_FROM.get(name),
+                      "api_server_cpu_ms": 1000 * api_cpu[name] / sum(map(len, samples[name].values())),
                       "step_ms": (statistics.median(per_q[name][i] - per_q[STEP_FROM[name]][i] for i in base)
                                   if name in STEP_FROM else 0.0)}
                for name in per_q}
@@ -151,12 +163,13 @@ def markdown(r: dict) -> str:
     lines = [f"`python benchmarks/bench_added_latency.py` (one run, {run['questions']} TriviaQA questions x "
              f"{run['rounds']} rounds, {run['max_tokens']} tokens greedy, concurrency 1; `calm engine` alone on core 1, "
              "gateway and client on core 0):", "",
-             "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) | step from |",
-             "|---|---:|---:|---:|---|"]
+             "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) | step from "
+             "| engine's API server CPU per request (ms) |",
+             "|---|---:|---:|---:|---|---:|"]
     for name, x in r.items():
         if not name.startswith("_"):
             lines.append(f"| {name} | {x['p50_ms']:.1f} | {x['vs_direct_ms']:+.1f} ms | {x['step_ms']:+.1f} ms "
-                         f"| {x['step_from'] or '-'} |")
+                         f"| {x['step_from'] or '-'} | {x['api_server_cpu_ms']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
