@@ -172,6 +172,11 @@ def engine_part(logs: Path, identity: Path, key: str, questions: list[str], per_
         for url in targets.values():
             asyncio.run(batch(url, key, questions[:8], 4))  # warm-up of each path
         for c in CONCURRENCY:
+            # One untimed batch of each kind of request at this concurrency first: a level's first batch ran slower
+            # than the ones after it (at 32, the first batch with log-probs 6.14 requests/s, the rest 7.05-7.57; in
+            # the level, plain direct calls, first in its first round, 5.80 and 6.14 against 7.3-7.5 with log-probs).
+            for logprobs in (False, True):
+                asyncio.run(batch(upstream, key, questions[: per_level[c]], c, logprobs))
             row = results[f"c{c}"] = level(targets, key, questions[: per_level[c]], c, rounds)
             print(f"engine, concurrency {c}: " + ", ".join(
                 f"{t} {row[t]['rps']:.2f} rps" + (f" (x{row[t]['ratio']:.3f}, {row[t]['added_p50_ms']:+.1f} ms)"
