@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from adapters.upstream import _payload  # noqa: E402
+from tests.memory_budget import start_and_cpu_s  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from calm_core.prompts import render_chat  # noqa: E402
@@ -76,12 +77,6 @@ def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]
 # The variant each step is measured from (one change each).
 STEP_FROM = {"completions-ids": "chat+logprobs", "+token-ids-out": "completions-ids", "+alpha-head": "+token-ids-out",
              "gateway": "+alpha-head", "+stream": "+alpha-head"}
-
-
-def process_cpu_s(pid: int) -> float:
-    """User and kernel CPU seconds of one process so far (/proc/PID/stat, clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:
@@ -137,9 +132,10 @@ def main() -> None:
                 k = (i + r) % len(named)
                 for name, (path, body) in named[k:] + named[:k]:
                     base = gateway if name == "gateway" else engine
-                    cpu = process_cpu_s(server.pid)  # taskset execs the server: its pid is the API server's
+                    # taskset execs the server: its pid is the API server's (its own CPU, not the engine core's)
+                    cpu = start_and_cpu_s(server.pid)[1]
                     samples.setdefault(name, {}).setdefault(i, []).append(timed(client, base + path, body))
-                    api_cpu[name] = api_cpu.get(name, 0.0) + process_cpu_s(server.pid) - cpu
+                    api_cpu[name] = api_cpu.get(name, 0.0) + start_and_cpu_s(server.pid)[1] - cpu
             print(f"round {r + 1} done", flush=True)
     os.sched_setaffinity(0, range(os.cpu_count()))
     per_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in samples.items()}

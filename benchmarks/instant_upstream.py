@@ -1,8 +1,8 @@
 """An instant stand-in for a vLLM OpenAI server, to measure what a proxy in front of it costs (no model time at all).
 
 /v1/completions answers with a canned one-token completion in vLLM's format (tokens as "token_id:N", what the gateway
-asks for), as JSON or as a stream; /v1/chat/completions with a canned one-token chat completion, as JSON or as a stream (what LiteLLM and a
-plain pass-through forward); /health and /v1/models. A raw ASGI app with every body prepared once, so that the
+asks for), /v1/chat/completions with a canned one-token chat completion (what LiteLLM and a plain pass-through
+forward), each as JSON or as a stream as asked; /health and /v1/models. A raw ASGI app with every body prepared once, so that the
 stand-in itself costs as little as possible of the core it runs on. Only for benchmarks: the gateway's tests run
 against the real engine.
 """

@@ -127,6 +127,16 @@ def answer_text(streamed: bool) -> str:
            "data: [DONE]\n\n"
 
 
+async def listening(app, port: int):
+    """An aiohttp app served on 127.0.0.1:`port`; its runner, to clean up."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
 def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model_dir):
     """The failover logic over real sockets: a refused connection or a 5xx moves the request to the next upstream
     before any output; the failed one is asked last for a while; all failing is a 503 naming each."""
@@ -158,10 +168,7 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
             urls.append(f"http://127.0.0.1:{port}")
             if name == "down":
                 continue  # nothing listens there: connection refused
-            runner = web.AppRunner(server(name, 500 if name == "broken" else 200))
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
+            runners.append(await listening(server(name, 500 if name == "broken" else 200), port))
         engine = UpstreamVLLMEngine(urls, MODEL, "v", 2048)
         await engine.start()
         try:
@@ -243,9 +250,8 @@ def test_a_whole_answer_is_awaited_as_a_whole_and_a_stream_chunk_by_chunk():
     async def run(stream: bool):
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
-        runner, port = web.AppRunner(app), free_port()
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        port = free_port()
+        runner = await listening(app, port)
         engine = UpstreamVLLMEngine([f"http://127.0.0.1:{port}"], MODEL, "v", 2048, timeout_s=0.2, answer_timeout_s=30)
         await engine.start()
         try:
