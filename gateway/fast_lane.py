@@ -12,9 +12,19 @@ replayed to FastAPI untouched, so each refusal keeps the framework's exact answe
 It runs before the framework's middleware stack (whose layers cost more than the lane's own work per request), so it
 keeps the size limit itself: a body over the limit goes to the stack, whose BodySizeLimit refuses it.
 The handler and the error responses are the routers' own (`gateway.routers.openai.answer`, `classified_response`).
+
+A client that disconnects while its answer is worked out cancels it, engine request included, as vLLM's own server
+does (`with_cancellation`): neither uvicorn nor Starlette cancels a handler whose client has gone, so a request given up
+on would otherwise hold its engine slot until it finished or hit the deadline. Unlike vLLM's, the watcher starts only
+once a request has run for WATCH_AFTER_S: a watcher task per request costs 17 µs, the timer 5
+(benchmarks/bench_disconnect_watch.py), and a disconnect is never missed, only noticed up to WATCH_AFTER_S late
+(uvicorn's `receive` reports it at once to a watcher that starts after it). A streamed answer needs
+no watcher of ours: Starlette's StreamingResponse listens for the disconnect itself and closes the stream.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from pydantic import ValidationError
 
@@ -76,11 +86,53 @@ class FastLane:
                 request = None
         if request is None:  # the framework answers it, exactly as without the lane
             return await self.app(scope, replay(chunks, within, receive), send)
+        watch = DisconnectWatch(receive, asyncio.current_task(), WATCH_AFTER_S)
         try:
-            key = self.state.keyring.authenticate(headers.get(b"authorization"))
-            response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key,
-                                    _HOP in headers)
-        except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
-            response = classified_response(e, scope["path"])
-        await response(scope, receive, send)
+            try:
+                key = self.state.keyring.authenticate(headers.get(b"authorization"))
+                response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key,
+                                        _HOP in headers)
+            except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
+                response = classified_response(e, scope["path"])
+            finally:
+                watch.stop()  # the response may read `receive` itself
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            if not watch.fired:
+                raise
+            watch.task.uncancel()  # the client left: nobody to answer
         return None
+
+
+WATCH_AFTER_S = 0.5  # a request running longer is watched for its client's disconnect
+
+
+class DisconnectWatch:
+    """Cancels `task` when its client disconnects, watching from `after_s` on (the request's body read: the next
+    message `receive` gives is the disconnect)."""
+
+    __slots__ = ("receive", "task", "timer", "watcher")
+
+    def __init__(self, receive, task: asyncio.Task, after_s: float):
+        self.receive, self.task, self.watcher = receive, task, None
+        self.timer = task.get_loop().call_later(after_s, self._start)
+
+    def _start(self) -> None:
+        self.watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> bool:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.task.cancel()
+        return True
+
+    def stop(self) -> None:
+        self.timer.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    @property
+    def fired(self) -> bool:
+        """The client disconnected and the task was cancelled for it."""
+        w = self.watcher
+        return w is not None and w.done() and not w.cancelled() and w.exception() is None

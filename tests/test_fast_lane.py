@@ -8,8 +8,9 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
-from tests.test_client_keys import make_app
+from tests.test_client_keys import QuietEngine, make_app
 from tests.test_gateway_logic import _tiny_tokenizer
 
 VALID = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": {"domain": "science"}}
@@ -127,3 +128,71 @@ def test_the_render_cache_returns_the_templates_text_and_skips_long_conversation
         assert prompting.rendered(tokenizer, long) == render_chat(tokenizer, long)
     info = prompting._rendered.cache_info()
     assert (info.hits, info.misses, info.currsize) == (2, 1, 1)  # the long one never enters the cache
+
+
+class WaitingEngine(QuietEngine):
+    """Streams `first` deltas, then waits for an answer that never comes; records its cancellation."""
+
+    def __init__(self, first: int):
+        super().__init__()
+        self.first, self.waiting, self.cancelled = first, asyncio.Event(), asyncio.Event()
+
+    async def stream(self, request):
+        from calm_core.engine import EngineDelta
+
+        for _ in range(self.first):
+            yield EngineDelta(text="Hi", token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}],
+                              prompt_tokens=3)
+        self.waiting.set()
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def _served(app, port: int):
+    """`app` under a real uvicorn (httptools, as `calm serve` runs it), started in this event loop."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="httptools", log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    async with asyncio.timeout(30):
+        while not server.started:
+            await asyncio.sleep(0.01)
+    return server, task
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_client_that_disconnects_cancels_its_engine_request(tmp_path, streamed):
+    """Neither uvicorn nor Starlette cancels a handler whose client has gone: the gateway does (fast_lane.py), so the
+    engine stops working on an answer nobody reads, the slot is free again and the request is counted as 499."""
+    from tests.servers import free_port
+
+    engine = WaitingEngine(first=1 if streamed else 0)
+    app = make_app(tmp_path, engine=engine)
+    port = free_port()
+    body = json.dumps({**VALID, "max_tokens": 500, "stream": streamed}).encode()
+
+    async def go():
+        server, task = await _served(app, port)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            async with asyncio.timeout(30):
+                await engine.waiting.wait()
+                writer.close()  # the client gives up while the engine works on its answer
+                await engine.cancelled.wait()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                metrics = (await client.get("/metrics")).text
+            return metrics, app.state.gateway.in_flight.count
+        finally:
+            server.should_exit = server.force_exit = True  # without waiting for a request that never ends
+            await task
+
+    metrics, in_flight = asyncio.run(go())
+    assert in_flight == 0
+    counted = 'calm_requests_total{domain="science",endpoint="chat",status="499"} 1.0' in metrics
+    assert counted != streamed  # a stream was counted 200 when it started

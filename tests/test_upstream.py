@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -88,6 +89,8 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
 
+        given_up_on_is_aborted(base, engine_url)
+
         # The engine is a stock vLLM server with the α-head plugin: a request may name a version of the registry by
         # name (here the engine's own), never a path.
         def direct(head: str) -> httpx.Response:
@@ -114,6 +117,36 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         # An engine killed under load (503s for requests in flight, none hangs, served again once an engine is back
         # on its port): tests/test_fleet.py (c), with two engines and the restarted one alone serving at the end; all
         # upstreams down answered with a quick 503: test_dead_upstream_returns_503_quickly above.
+
+
+def _engine_metric(engine_url: str, name: str) -> float:
+    """The sum of a vLLM metric's samples (e.g. vllm:request_success_total over its finish reasons)."""
+    lines = httpx.get(f"{engine_url}/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def given_up_on_is_aborted(base: str, engine_url: str) -> None:
+    """A client that disconnects from a non-streamed request while the engine generates its answer: the engine stops
+    (no request left running, none finished with a stop or length reason: vLLM counts no aborted request there) and
+    the gateway counts a 499."""
+
+    finished = _engine_metric(engine_url, "vllm:request_success_total")
+    body = json.dumps({"model": MODEL, "max_tokens": 1000, "metadata": {"domain": "science"},
+                       "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 120
+        while _engine_metric(engine_url, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the engine never started the request"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 120  # a thousand tokens take the engine a minute on this machine
+    while _engine_metric(engine_url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the engine kept generating for a client that had gone"
+        time.sleep(0.05)
+    assert _engine_metric(engine_url, "vllm:request_success_total") == finished
+    assert 'calm_requests_total{domain="science",endpoint="chat",status="499"} 1.0' in httpx.get(f"{base}/metrics").text
 
 
 def answer_text(streamed: bool) -> str:
@@ -195,7 +228,6 @@ def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one(how
     answer (a kept-alive connection the balancer or the engine's server had just closed as idle: vLLM's uvicorn does
     after 5 s) is sent once more, on a new connection, and answered."""
     import asyncio
-    import socket
     import struct
 
     from calm_core.engine import EngineRequest, generate

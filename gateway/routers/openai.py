@@ -7,6 +7,7 @@ stream's failure becomes an SSE error event. A Responses API request runs as the
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -121,6 +122,9 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
                 deployment.in_flight -= 1
     except Exception as e:
         count_error(gateway, endpoint, domain, e)
+        raise
+    except asyncio.CancelledError:  # its client disconnected (gateway/fast_lane.py): nginx's "client closed request"
+        gateway.metrics.requests_of(endpoint, domain, "499").inc()
         raise
     gateway.metrics.requests_of(endpoint, domain, "200").inc()
     if held:
