@@ -177,7 +177,7 @@ def test_a_client_that_disconnects_cancels_its_engine_request(tmp_path, streamed
     async def go():
         server, task = await _served(app, port)
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
                          b"content-length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()

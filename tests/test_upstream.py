@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import calm_argv, free_port, running
+from tests.servers import calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -129,7 +129,6 @@ def given_up_on_is_aborted(base: str, engine_url: str) -> None:
     """A client that disconnects from a non-streamed request while the engine generates its answer: the engine stops
     (no request left running, none finished with a stop or length reason: vLLM counts no aborted request there) and
     the gateway counts a 499."""
-
     finished = _engine_metric(engine_url, "vllm:request_success_total")
     body = json.dumps({"model": MODEL, "max_tokens": 1000, "metadata": {"domain": "science"},
                        "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}).encode()
@@ -137,14 +136,11 @@ def given_up_on_is_aborted(base: str, engine_url: str) -> None:
     with socket.create_connection((host, int(port))) as client:
         client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
                        b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        deadline = time.monotonic() + 120
-        while _engine_metric(engine_url, "vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the engine never started the request"
-            time.sleep(0.05)
-    deadline = time.monotonic() + 120  # a thousand tokens take the engine a minute on this machine
-    while _engine_metric(engine_url, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the engine kept generating for a client that had gone"
-        time.sleep(0.05)
+        wait_until("the engine to start the request",
+                   lambda: _engine_metric(engine_url, "vllm:num_requests_running") >= 1, 120, 0.05)
+    # Without the cancellation a thousand tokens take the engine over 120 s here: the wait would end in a failure.
+    wait_until("the engine to stop generating for a client that had gone",
+               lambda: _engine_metric(engine_url, "vllm:num_requests_running") == 0, 120, 0.05)
     assert _engine_metric(engine_url, "vllm:request_success_total") == finished
     assert 'calm_requests_total{domain="science",endpoint="chat",status="499"} 1.0' in httpx.get(f"{base}/metrics").text
 
