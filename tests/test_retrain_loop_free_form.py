@@ -110,9 +110,9 @@ def held_out_metrics(choices: list[dict], questions: list[OpenQuestion]) -> dict
             "ece_10": binned_calibration_error(conf, correct, 10), "auroc": auroc(conf, correct)}
 
 
-# The longest test (~8 min on a quiet 2-core machine, beyond the suite's 15-minute hang limit on a loaded one): the limit
-# only turns a hang into a failure.
-@pytest.mark.timeout(1800)
+# The longest test (~8 min on a quiet 2-core machine, 23.5 min in a suite on one 3.3x slower, c8c2be4): the limits (the
+# test's and the job's wait) only turn a hang into a failure.
+@pytest.mark.timeout(2700)
 def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_on_uploaded_labels(free_form_loop):
     gateway, prometheus = free_form_loop["gateway"], free_form_loop["prometheus"]
     parent = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
@@ -130,7 +130,7 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     job = wait_until("the drift alert to queue a job", lambda: (jobs(gateway, domain=DOMAIN) or [None])[0], 240)
     assert job["trigger"] == "alert" and drift_alerts(prometheus, DOMAIN)
     done = wait_until("the job to finish", lambda: next(
-        (j for j in jobs(gateway, domain=DOMAIN) if j["status"] not in ("queued", "running")), None), 900, 2)
+        (j for j in jobs(gateway, domain=DOMAIN) if j["status"] not in ("queued", "running")), None), 1800, 2)
     assert done["status"] == "promoted", json.dumps(done, indent=1)
     result = done["result"]
     # Trained on the whole traffic (the job waited for it) and judged against it as its reference.
