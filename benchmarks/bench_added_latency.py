@@ -14,11 +14,12 @@ Variants, each one change from the one named in brackets:
   chat+logprobs        the direct baseline of lean.md: /v1/chat/completions, logprobs, top_logprobs 5, JSON
   completions-ids      /v1/completions with the chat template's token ids as prompt, logprobs 5, JSON (chat+logprobs)
   +token-ids-out       return_tokens_as_token_ids, what the gateway parses (completions-ids)
-  +alpha-head          the α head named per request (vllm_xargs): exactly the gateway's payload for a question
-                       answered whole (adapters/upstream.py `_payload`) (+token-ids-out)
-  gateway              the same question through `calm serve` in upstream mode (+alpha-head)
+  +alpha-head          the α head named per request (vllm_xargs) (+token-ids-out)
+  text-prompt          the prompt as the chat template's text, for vLLM to tokenize: exactly the gateway's payload for
+                       a question answered whole (adapters/upstream.py `_payload`) (+alpha-head)
+  gateway              the same question through `calm serve` in upstream mode (text-prompt)
   +stream              the gateway's payload streamed (SSE, usage chunk), as it asks for a streamed free-form answer,
-                       and as it asked for every answer before 2026-12-04 (+alpha-head)
+                       and as it asked for every answer before 2026-12-04 (text-prompt)
 Results: added_latency.json and added_latency.md in --out.
 """
 
@@ -31,6 +32,7 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -67,16 +69,19 @@ def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]
     ids_out = {**plain, "return_tokens_as_token_ids": True}
     request = EngineRequest("bench", prompt="", prompt_token_ids=tuple(ids), max_tokens=MAX_TOKENS, temperature=0.0,
                             top_logprobs=TOP)
-    exact, streamed = (_payload(MODEL, head, request, stream=stream) for stream in (False, True))
+    with_head = _payload(MODEL, head, request, stream=False)
+    as_text = replace(request, prompt=render_chat(tokenizer, messages), prompt_token_ids=())
+    text, streamed = (_payload(MODEL, head, as_text, stream=stream) for stream in (False, True))
     gateway = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     return {"chat+logprobs": ("/v1/chat/completions", chat), "completions-ids": ("/v1/completions", plain),
-            "+token-ids-out": ("/v1/completions", ids_out), "+alpha-head": ("/v1/completions", exact),
+            "+token-ids-out": ("/v1/completions", ids_out), "+alpha-head": ("/v1/completions", with_head),
+            "text-prompt": ("/v1/completions", text),
             "gateway": ("/v1/chat/completions", gateway), "+stream": ("/v1/completions", streamed)}
 
 
 # The variant each step is measured from (one change each).
 STEP_FROM = {"completions-ids": "chat+logprobs", "+token-ids-out": "completions-ids", "+alpha-head": "+token-ids-out",
-             "gateway": "+alpha-head", "+stream": "+alpha-head"}
+             "text-prompt": "+alpha-head", "gateway": "text-prompt", "+stream": "text-prompt"}
 
 
 def timed(client: httpx.Client, url: str, body: dict) -> float:

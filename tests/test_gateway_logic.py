@@ -739,3 +739,32 @@ def test_blank_text_is_what_the_schemas_nonblank_pattern_refuses():
         except ValidationError:
             accepted = False
         assert blank(text) != accepted, hex(code)
+
+
+def test_the_added_latency_benchmark_sends_the_gateways_exact_request_directly(tmp_path, embedded_model_dir):
+    """benchmarks/bench_added_latency.py compares the gateway with its own engine request sent directly (the
+    `text-prompt` variant): that request must be the one the gateway makes (it once was not: the benchmark sent token
+    ids where the gateway sends the prompt's text)."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from adapters.upstream import _payload
+    from benchmarks.bench_added_latency import MODEL, variants
+    from calm_core.artifact import ArtifactManifest
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embedded_model_dir))
+    manifest = ArtifactManifest.model_construct(reference_histograms={}, answer_format="letter", applies_to="all",
+                                                has_adapter=False, artifact_version="test-v1")
+    engine = FreeFormModeEngine()
+    engine.free_form_mode, engine.prompt_logprobs, engine.model_name = False, False, MODEL
+    app = create_app(GatewaySettings(db_path=tmp_path / "g.db"), engine, tokenizer, _stub_artifact(manifest))
+    question = "Which American-born Sinclair won the Nobel Prize for Literature in 1930?"
+    bench = variants(tokenizer, question, head="test-v1")
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=bench["gateway"][1])
+        assert r.status_code == 200, r.text
+    (sent,) = engine.requests
+    assert _payload(MODEL, "test-v1", sent, stream=False) == bench["text-prompt"][1]
+    assert _payload(MODEL, "test-v1", sent, stream=True) == bench["+stream"][1]
