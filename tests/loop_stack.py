@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.servers import REPO, background, calm_argv, free_port, running
+from tests.servers import REPO, background, calm_argv, free_port, metric_values, running
 
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
 # The loop tests' HTTP calls: on a loaded 2-core machine (a worker training and judging beside the gateway, another
@@ -75,17 +75,13 @@ alerting:
 
 
 def psi(gateway: str, domain: str = "science") -> float:
-    for line in http.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith(f'calm_drift_psi{{domain="{domain}"}}'):
-            return float(line.split()[-1])
-    raise AssertionError(f"no drift gauge for {domain}")
+    values = metric_values(gateway, "calm_drift_psi", domain=domain)
+    assert values, f"no drift gauge for {domain}"
+    return values[0]
 
 
 def registry_syncs(gateway: str) -> float:
-    for line in http.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith('calm_registry_syncs_total{outcome="ok"}'):
-            return float(line.split()[-1])
-    return 0.0
+    return sum(metric_values(gateway, "calm_registry_syncs_total", outcome="ok"))
 
 
 def prometheus_value(prometheus: str, query: str) -> float | None:

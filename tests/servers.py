@@ -69,6 +69,16 @@ def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def metric_values(base: str, name: str, **labels: str) -> list[float]:
+    """The values of the samples named `name` in `base`/metrics (the gateway's or vLLM's) whose labels include
+    `labels`, read with prometheus_client's own parser of the text format."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()]
+
+
 @contextmanager
 def running(argv: list[str], health_url: str, log_path: Path, env: dict | None = None, timeout: float = 240.0,
             cwd: Path = REPO):

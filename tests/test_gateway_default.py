@@ -17,7 +17,7 @@ from adapters.cpu_limits import usable_cpus
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
-from tests.servers import background, calm_argv, free_port, watch_start
+from tests.servers import background, calm_argv, free_port, metric_values, watch_start
 
 # memory_gb: the peak PSS of a gateway with three engines, `calm eval` offline beside it: 8.1 GB measured with the
 # tests' 128 MB KV cache per engine (9.8 with the CPU default 512; tests/memory_budget.py).
@@ -243,10 +243,7 @@ def test_sampled_answers_follow_the_seed(client):
 
 
 def _chat_requests(gateway: str) -> float:
-    import httpx
-
-    lines = httpx.get(f"{gateway}/metrics").text.splitlines()
-    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith("calm_requests_total{") and 'endpoint="chat"' in l)
+    return sum(metric_values(gateway, "calm_requests_total", endpoint="chat"))
 
 
 def test_calm_eval_offline_equals_calm_eval_through_the_gateway(gateway, tmp_path, shipped_artifact):

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import calm_argv, free_port, running, wait_until
+from tests.servers import calm_argv, free_port, metric_values, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -119,17 +119,11 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         # upstreams down answered with a quick 503: test_dead_upstream_returns_503_quickly above.
 
 
-def _engine_metric(engine_url: str, name: str) -> float:
-    """The sum of a vLLM metric's samples (e.g. vllm:request_success_total over its finish reasons)."""
-    lines = httpx.get(f"{engine_url}/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
-
-
 def given_up_on_is_aborted(base: str, engine_url: str) -> None:
     """A client that disconnects from a non-streamed request while the engine generates its answer: the engine stops
     (no request left running, none finished with a stop or length reason: vLLM counts no aborted request there) and
     the gateway counts a 499."""
-    finished = _engine_metric(engine_url, "vllm:request_success_total")
+    finished = sum(metric_values(engine_url, "vllm:request_success_total"))
     body = json.dumps({"model": MODEL, "max_tokens": 1000, "metadata": {"domain": "science"},
                        "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}).encode()
     host, port = base.removeprefix("http://").split(":")
@@ -137,12 +131,12 @@ def given_up_on_is_aborted(base: str, engine_url: str) -> None:
         client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
                        b"content-length: %d\r\n\r\n%s" % (len(body), body))
         wait_until("the engine to start the request",
-                   lambda: _engine_metric(engine_url, "vllm:num_requests_running") >= 1, 120, 0.05)
+                   lambda: sum(metric_values(engine_url, "vllm:num_requests_running")) >= 1, 120, 0.05)
     # Without the cancellation a thousand tokens take the engine over 120 s here: the wait would end in a failure.
     wait_until("the engine to stop generating for a client that had gone",
-               lambda: _engine_metric(engine_url, "vllm:num_requests_running") == 0, 120, 0.05)
-    assert _engine_metric(engine_url, "vllm:request_success_total") == finished
-    assert 'calm_requests_total{domain="science",endpoint="chat",status="499"} 1.0' in httpx.get(f"{base}/metrics").text
+               lambda: sum(metric_values(engine_url, "vllm:num_requests_running")) == 0, 120, 0.05)
+    assert sum(metric_values(engine_url, "vllm:request_success_total")) == finished
+    assert metric_values(base, "calm_requests_total", domain="science", endpoint="chat", status="499") == [1.0]
 
 
 def answer_text(streamed: bool) -> str:
