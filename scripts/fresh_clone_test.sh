@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command as a new user runs it: N fresh clones of this checkout's HEAD, one after the other, each
-# `make setup` (the install) then `make test`. Each run's wall time with and without the install goes to
-# benchmarks/results/test-runs.md; the logs stay in $LOGS.
+# The README's two commands as a new user runs them: N fresh clones of this checkout's HEAD, one after the other, each
+# `make setup` (the install), `make serve` until the gateway is ready (then stopped), then `make test`. Each run's wall
+# time with and without the install goes to benchmarks/results/test-runs.md (the serve step's time is in the total and
+# the result); the logs stay in $LOGS. SERVE_FIRST=0 skips `make serve`.
 #   bash scripts/fresh_clone_test.sh 3
 set -uo pipefail
 N=${1:-3}
@@ -20,13 +21,32 @@ for i in $(seq 1 "$N"); do
   t0=$(date +%s)
   make -C "$dir" setup > "$log" 2>&1
   t1=$(date +%s)
+  served=""
+  if [ "${SERVE_FIRST:-1}" = 1 ]; then
+    # `make serve` with its defaults (a cache of its own under a fresh HOME: the model is prepared as on a new
+    # machine), on a free port, until /health/ready answers or it exits; then stopped as Ctrl-C would.
+    port=${SERVE_PORT:-18000}
+    setsid env HOME="$dir/.serve-home" CALM_PORT="$port" make -C "$dir" serve >> "$log" 2>&1 &
+    serve_pid=$!
+    ready=0
+    for _ in $(seq 1 2400); do
+      curl -sf "http://127.0.0.1:$port/health/ready" > /dev/null && { ready=1; break; }
+      kill -0 "$serve_pid" 2> /dev/null || break
+      sleep 1
+    done
+    kill -INT -- -"$serve_pid" 2> /dev/null; wait "$serve_pid" 2> /dev/null
+    kill -KILL -- -"$serve_pid" 2> /dev/null  # whatever of its process group outlived it (engine processes)
+    [ "$ready" = 1 ] || failed=1
+    served="; make serve: $([ "$ready" = 1 ] && echo "ready after $(($(date +%s) - t1)) s" || echo "NOT READY")"
+  fi
+  t15=$(date +%s)
   make -C "$dir" test >> "$log" 2>&1
   rc=$?
   t2=$(date +%s)
   summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* in ' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
   [ "$rc" -eq 0 ] || failed=1
-  printf '| %s | %s | %d of %d | %s (exit %d) | %d | %d | %.1f |\n' "$(date -u +%F\ %H:%M)" "$commit" "$i" "$N" \
-    "${summary:-no summary}" "$rc" $((t1 - t0)) $((t2 - t1)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
+  printf '| %s | %s | %d of %d | %s (exit %d%s) | %d | %d | %.1f |\n' "$(date -u +%F\ %H:%M)" "$commit" "$i" "$N" \
+    "${summary:-no summary}" "$rc" "$served" $((t1 - t0)) $((t2 - t15)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
   # The clone's time table (tests/conftest.py writes it through scripts/test.sh): the newest one is published beside $OUT.
   if [ -f "$dir/.calm/test-times.md" ]; then
     cp "$dir/.calm/test-times.md" "$LOGS/run-$i-times.md"
