@@ -23,8 +23,9 @@ for i in $(seq 1 "$N"); do
   t1=$(date +%s)
   served=""
   if [ "${SERVE_FIRST:-1}" = 1 ]; then
-    # `make serve` with its defaults (a cache of its own under a fresh HOME: the model is prepared as on a new
-    # machine), on a free port, until /health/ready answers or it exits; then stopped as Ctrl-C would.
+    # `make serve` as the README gives it (the model prepared into the clone's .calm, where `make test` then finds
+    # it; a fresh HOME, so no cache of this machine's user helps), on a free port, until /health/ready answers or it
+    # exits; then stopped as Ctrl-C would.
     port=${SERVE_PORT:-18000}
     setsid env HOME="$dir/.serve-home" CALM_PORT="$port" make -C "$dir" serve >> "$log" 2>&1 &
     serve_pid=$!
