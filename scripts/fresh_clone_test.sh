@@ -40,14 +40,14 @@ for i in $(seq 1 "$N"); do
     [ "$ready" = 1 ] || failed=1
     served="; make serve: $([ "$ready" = 1 ] && echo "ready after $(($(date +%s) - t1)) s" || echo "NOT READY")"
   fi
-  t15=$(date +%s)
+  t_tests=$(date +%s)
   make -C "$dir" test >> "$log" 2>&1
   rc=$?
   t2=$(date +%s)
   summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed).* in ' "$log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')
   [ "$rc" -eq 0 ] || failed=1
   printf '| %s | %s | %d of %d | %s (exit %d%s) | %d | %d | %.1f |\n' "$(date -u +%F\ %H:%M)" "$commit" "$i" "$N" \
-    "${summary:-no summary}" "$rc" "$served" $((t1 - t0)) $((t2 - t15)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
+    "${summary:-no summary}" "$rc" "$served" $((t1 - t0)) $((t2 - t_tests)) "$(echo "($t2 - $t0) / 60" | bc -l)" | tee -a "$OUT"
   # The clone's time table (tests/conftest.py writes it through scripts/test.sh): the newest one is published beside $OUT.
   if [ -f "$dir/.calm/test-times.md" ]; then
     cp "$dir/.calm/test-times.md" "$LOGS/run-$i-times.md"

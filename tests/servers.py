@@ -71,10 +71,11 @@ def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0)
 
 def metric_values(base: str, name: str, **labels: str) -> list[float]:
     """The values of the samples named `name` in `base`/metrics (the gateway's or vLLM's) whose labels include
-    `labels`, read with prometheus_client's own parser of the text format."""
+    `labels`, read with prometheus_client's own parser of the text format. The read may take long on a loaded machine
+    (the retraining loop's tests poll beside a training worker): its timeout only ends a hang, as loop_stack's client."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base}/metrics", timeout=60).text
+    text = httpx.get(f"{base}/metrics", timeout=120).text
     return [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
             if sample.name == name and labels.items() <= sample.labels.items()]
 

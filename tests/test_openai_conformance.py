@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from scripts.readme_numbers import page_of, read_block
-from tests.servers import REPO, calm_argv, free_port, running
+from tests.servers import REPO, calm_argv, free_port, metric_values, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -323,11 +323,7 @@ QUESTIONS = [CAPITAL, COUNT, [{"role": "user", "content": "Name a colour."}],
 
 def vllm_requests(stack) -> float:
     """Requests vLLM's server has finished (its own Prometheus counter)."""
-    import httpx
-
-    text = httpx.get(f"{stack['vllm']}/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total{"))
+    return sum(metric_values(stack["vllm"], "vllm:request_success_total"))
 
 
 def put_policy(stack, domain: str, policy: dict) -> None:
