@@ -4,7 +4,8 @@
 
 The shipped free-form mode answers TriviaQA (held-out) and PopQA questions greedily, as served; then 8 answers are
 sampled per question at each setting (through the head at 1.0, the old semantic mode's samples; without it at 0.5, 0.7
-and 1.0). For each setting: the AUROC of the share of samples that agree with the greedy answer
+and 1.0), seeded as the gateway seeds a question's samples (`samples_seed`, from the prompt), so a rerun draws the
+same ones. For each setting: the AUROC of the share of samples that agree with the greedy answer
 (calm_core/answers.agreement ≥ 1/2) against alias-match correctness, next to the token confidence's AUROC on the same
 answers, and the mean share. Results: semantic_sampling.json / .md in --out.
 """
@@ -29,6 +30,7 @@ from calm_core.artifact import load_artifact  # noqa: E402
 from calm_core.engine import EngineRequest, generate_choices  # noqa: E402
 from calm_core.metrics import auroc  # noqa: E402
 from calm_core.models import EMBEDDED_ID, resolve_model  # noqa: E402
+from calm_core.scorers.free_form import samples_seed  # noqa: E402
 from calm_core.scoring import sequence_confidence  # noqa: E402
 from training.evaluate import DatasetSpec, sample_questions  # noqa: E402
 from training.free_form_eval import MAX_TOKENS  # noqa: E402
@@ -49,8 +51,9 @@ async def answer_all(engine, tokenizer, questions) -> list[dict]:
         record = {"question": q.question, "greedy": greedy.text, "correct": is_correct(greedy.text, q.answers, q.question),
                   "token_confidence": sequence_confidence(greedy.token_logprobs)}
         for name, (head, temperature) in SETTINGS.items():
+            # Seeded as the gateway seeds a question's samples: the same numbers on every run.
             sampled = replace(greedy_request, request_id=f"g{i}-{name}", n=SAMPLES, temperature=temperature,
-                              calibrated=head)
+                              calibrated=head, seed=samples_seed(greedy_request))
             texts = [o.text for o in await generate_choices(engine, sampled)]
             record[name] = sum(agreement(greedy.text, t, prompt) >= 0.5 for t in texts) / SAMPLES
         return record
@@ -67,9 +70,13 @@ def main() -> None:
     tokenizer = load_tokenizer(str(resolved.path))
 
     async def run() -> dict[str, list[dict]]:
+        records = {}
         async with artifact_engine(str(resolved.path), str(mode.path)) as engine:
-            return {s: await answer_all(engine, tokenizer, sample_questions(DatasetSpec.parse(s).load(), args.questions, 0))
-                    for s in SETS}
+            for s in SETS:
+                records[s] = await answer_all(engine, tokenizer,
+                                              sample_questions(DatasetSpec.parse(s).load(), args.questions, 0))
+                print(f"{s}: {len(records[s])} questions answered and sampled", file=sys.stderr, flush=True)
+        return records
 
     records = asyncio.run(run())
     rows = []
@@ -88,8 +95,9 @@ def main() -> None:
     for row in rows:
         lines.append(f"| {row['set']} | {row['n']} | {row['accuracy']:.3f} | {row['token_auroc']:.3f} | " + " | ".join(
             f"{row[n]['auroc']:.3f} ({row[n]['mean_share']:.3f})" for n in SETTINGS) + " |")
-    lines += ["", f"{SAMPLES} samples per question and setting; share: samples whose new words agree with the greedy "
-              "answer's (word F1 ≥ 1/2); the shipped free-form mode; `python benchmarks/bench_semantic_sampling.py`."]
+    lines += ["", f"{SAMPLES} samples per question and setting, seeded per question as the gateway seeds them; share: "
+              "samples whose new words agree with the greedy answer's (word F1 ≥ 1/2); the shipped free-form mode; "
+              "`python benchmarks/bench_semantic_sampling.py`."]
     (args.out / "semantic_sampling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

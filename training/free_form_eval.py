@@ -78,7 +78,7 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
                               c.confidence, float(math.exp(sum(lps))), len(lps))
 
     async def sampled(i: int, q: OpenQuestion, record: FreeFormRecord) -> None:
-        # No per-request seed: vLLM's CPU sampler cannot seed requests whose prefill is chunked; the engine seed holds.
+        # Seeded by the scorer as the gateway's are (samples_seed: from the prompt), so a rerun draws the same samples.
         c = (await semantic.score(job(i, q, request_id=f"sem{i}"))).choices[0]
         record.semantic_text, record.semantic_confidence = c.text, c.confidence
         record.semantic_agreeing = round(c.raw_confidence * samples)
