@@ -48,6 +48,10 @@ fi
 CALM_FAST_MEMORY=$("$VENV/bin/python" scripts/memory_ceiling.py --step-gb 0.5 | tail -1) || CALM_FAST_MEMORY=""
 echo "$CALM_FAST_MEMORY"
 export CALM_FAST_MEMORY  # repeated in the memory table at the end (tests/conftest.py)
+# Which CPU the run got (~1 s): the same suite took 15-20 min of tests on some 2-core machines and 64-74 on others.
+CALM_MACHINE=$("$VENV/bin/python" scripts/machine_probe.py | tail -1) || CALM_MACHINE=""
+echo "$CALM_MACHINE"
+export CALM_MACHINE  # repeated above the time table at the end (tests/conftest.py)
 # LiteLLM's proxy (the test of calibration headers behind it) has a venv of its own; its install overlaps the first
 # tests, and the test waits for it on a file lock (tests/litellm_proxy.py).
 mkdir -p "$CALM_HOME"

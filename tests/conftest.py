@@ -260,6 +260,12 @@ def _cpu_table(rows: list[dict], top: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _machine_line() -> str:
+    """What scripts/test.sh's probe found before the run (scripts/machine_probe.py): the CPU the times were taken on."""
+    found = os.environ.get("CALM_MACHINE")
+    return f"Machine (`scripts/machine_probe.py`): {found}\n\n" if found else ""
+
+
 def _fast_memory_line() -> str:
     """What scripts/test.sh's probe found before the run (scripts/memory_ceiling.py): memory held beyond it was slow."""
     found = os.environ.get("CALM_FAST_MEMORY")
@@ -307,7 +313,7 @@ def _write_times(terminalreporter, config) -> None:
         return
     peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"  # one row per module (the fixture above)
     rows = [json.loads(line) for line in peaks.read_text().splitlines()] if peaks.is_file() else []
-    table = _times_table() + (
+    table = _machine_line() + _times_table() + (
         f"\nMemory per file (the peak PSS of the worker and everything it started; tests/memory_budget.py):\n\n"
         f"{_fast_memory_line()}{_memory_table(rows)}\n"
         f"CPU per file (the worker and everything it started, sampled every 2 s; tests/memory_budget.py):\n\n"
