@@ -4,7 +4,7 @@
 
 Why: the 2-core machines this project runs on are not all alike. `make test` ran its tests in 15-20 min on some and
 in 64-74 min on others (`benchmarks/results/test-runs.md`). One of the slow ones, measured on 2026-12-05, is an AMD EPYC
-of the first Zen generation (family 23, model 1) with AVX2 and no AVX-512, where this probe reads 22 GFLOPS; on it
+of the first Zen generation (family 23, model 1) with AVX2 and no AVX-512, where this probe reads 32-33 GFLOPS; on it
 the tests of vLLM serving ran ~3.5x slower and those of torch training and bf16 5-7x (docs/testing.md).
 scripts/test.sh prints this line before the tests and the time table at their end repeats it, so a slow run can be
 read against the machine it ran on. The number is torch's float32 matrix product on one thread, a training-sized
