@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +62,9 @@ def cache_upstream_answer() -> None:
     async def generate_whole(self, request):
         if not cached:
             cached.extend(await real(self, request))
-        return [d.__class__(**{**d.__dict__, "token_ids": list(d.token_ids), "token_logprobs": list(d.token_logprobs),
-                               "top_logprobs": [dict(t) for t in d.top_logprobs]}) for d in cached]
+        # Fresh lists per request, as a real answer's (the scorer may keep or change what it is given).
+        return [replace(d, token_ids=list(d.token_ids), token_logprobs=list(d.token_logprobs),
+                        top_logprobs=[dict(t) for t in d.top_logprobs]) for d in cached]
 
     UpstreamVLLMEngine.generate_whole = generate_whole
 

@@ -260,16 +260,12 @@ def _cpu_table(rows: list[dict], top: int = 20) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _machine_line() -> str:
-    """What scripts/test.sh's probe found before the run (scripts/machine_probe.py): the CPU the times were taken on."""
-    found = os.environ.get("CALM_MACHINE")
-    return f"Machine (`scripts/machine_probe.py`): {found}\n\n" if found else ""
-
-
-def _fast_memory_line() -> str:
-    """What scripts/test.sh's probe found before the run (scripts/memory_ceiling.py): memory held beyond it was slow."""
-    found = os.environ.get("CALM_FAST_MEMORY")
-    return f"Before the run, `scripts/memory_ceiling.py`: {found}\n\n" if found else ""
+def _probe_line(variable: str, label: str) -> str:
+    """What one of scripts/test.sh's probes found before the run (it exports the line as `variable`), or nothing:
+    CALM_MACHINE, the CPU the times were taken on (scripts/machine_probe.py); CALM_FAST_MEMORY, the memory that came at
+    full speed, beyond which memory held was slow (scripts/memory_ceiling.py)."""
+    found = os.environ.get(variable)
+    return f"{label}: {found}\n\n" if found else ""
 
 
 # -- the checkout's own registry is not the tests' -----------------------------------------------------------------------
@@ -313,9 +309,9 @@ def _write_times(terminalreporter, config) -> None:
         return
     peaks = _run_dir(config._tmp_path_factory) / "memory-peaks.jsonl"  # one row per module (the fixture above)
     rows = [json.loads(line) for line in peaks.read_text().splitlines()] if peaks.is_file() else []
-    table = _machine_line() + _times_table() + (
+    table = _probe_line("CALM_MACHINE", "Machine (`scripts/machine_probe.py`)") + _times_table() + (
         f"\nMemory per file (the peak PSS of the worker and everything it started; tests/memory_budget.py):\n\n"
-        f"{_fast_memory_line()}{_memory_table(rows)}\n"
+        f"{_probe_line('CALM_FAST_MEMORY', 'Before the run, `scripts/memory_ceiling.py`')}{_memory_table(rows)}\n"
         f"CPU per file (the worker and everything it started, sampled every 2 s; tests/memory_budget.py):\n\n"
         f"{_cpu_table(rows)}" if rows else "")
     terminalreporter.write_sep("=", "time per file")
