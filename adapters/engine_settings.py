@@ -23,6 +23,12 @@ Executor = Literal["uni", "mp"]
 EngineStart = Literal["forkserver", "spawn"]
 # vLLM's CPU platform replaces the "uni" executor by "mp" unless this is "0" where the engine's config is made.
 SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# A seeded request (the OpenAI `seed`, and every semantic-confidence sample: its seed comes from the prompt) whose prompt
+# vLLM prefills in chunks kills a CPU engine: after each partial step vLLM rewinds the request's random generator by an
+# offset, which only CUDA's generator has ("CPU Generator does not use offset"). On CPU each prompt is therefore
+# prefilled in one step (vLLM's own switch, as its CPU platform sets for MLA models); samples also no longer depend
+# on how a prompt was split, so a seeded answer is the same alone and in a full batch (tests/test_gateway_default.py).
+CPU_CHUNKED_PREFILL = False
 # A fleet engine on CPU (`calm engine`, a stock server) scores options token by token: a request per option token, each
 # re-reading the question, which its prefix cache serves only from full blocks; vLLM's CPU block of 128 tokens is more
 # than these prompts hold, and its CPU attention takes multiples of 32 (benchmarks/results/engine_block_size.md).
@@ -56,6 +62,7 @@ class EngineSettings:
     kv_cache_bytes: int | None  # None: gpu_memory_utilization sizes the cache
     gpu_memory_utilization: float | None
     enable_prefix_caching: bool | None  # None: vLLM's own default for the platform
+    enable_chunked_prefill: bool | None  # None: vLLM's own default (on); off on CPU (CPU_CHUNKED_PREFILL)
     block_size: int | None  # None: vLLM's own default for the platform
     adapter_mode: AdapterMode
     executor: Executor | None  # None: vLLM's own choice ("uni" for one GPU)
@@ -74,6 +81,8 @@ class EngineSettings:
             kwargs["distributed_executor_backend"] = self.executor
         if self.enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.enable_chunked_prefill is not None:
+            kwargs["enable_chunked_prefill"] = self.enable_chunked_prefill
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
         if self.kv_cache_bytes is not None:
@@ -91,6 +100,8 @@ class EngineSettings:
             args += ["--distributed-executor-backend", self.executor]
         if self.enable_prefix_caching is not None:
             args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        if self.enable_chunked_prefill is not None:
+            args.append("--enable-chunked-prefill" if self.enable_chunked_prefill else "--no-enable-chunked-prefill")
         if self.block_size is not None:
             args += ["--block-size", str(self.block_size)]
         if self.kv_cache_bytes is not None:
@@ -136,7 +147,8 @@ def resolve(overrides: EngineOverrides, detected: Device | None = None) -> Engin
         device=device, dtype=pick("dtype"), enforce_eager=pick("enforce_eager"),
         kv_cache_bytes=kv_mb * 1024**2 if kv_mb is not None else None,
         gpu_memory_utilization=gpu_share if kv_mb is None else None,
-        enable_prefix_caching=pick("enable_prefix_caching"), block_size=pick("block_size"),
+        enable_prefix_caching=pick("enable_prefix_caching"),
+        enable_chunked_prefill=CPU_CHUNKED_PREFILL if device == "cpu" else None, block_size=pick("block_size"),
         adapter_mode=pick("adapter_mode"),
         executor=pick("executor"), engine_start=pick("engine_start"), threads=overrides.threads,
     )

@@ -35,6 +35,7 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
             "--max-model-len", "2048", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs",
             "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4", "--seed", "0",
             "--block-size", str(FLEET_CPU_BLOCK_SIZE),  # options scored token by token re-read the question
+            "--no-enable-chunked-prefill",  # a seeded request prefilled in chunks kills a CPU engine (CPU_CHUNKED_PREFILL)
             "--middleware", "adapters.vllm_warm.ServedVersionsFirst",
             "--host", "127.0.0.1", "--port", str(port)]
 

@@ -83,6 +83,8 @@ def test_compose_fleet_profile_runs_the_tested_shape():
         assert all(flags_in(argv, f) for f in PLUGIN_FLAGS) and all(flags_in(tested, f) for f in PLUGIN_FLAGS)
         cpu_blocks = ["--block-size", "32"]  # the CPU fleet's engines: options scored token by token (FLEET_CPU_BLOCK_SIZE)
         assert flags_in(argv, cpu_blocks) and flags_in(tested, cpu_blocks)
+        whole_prefills = ["--no-enable-chunked-prefill"]  # seeded requests on a CPU engine (CPU_CHUNKED_PREFILL)
+        assert flags_in(argv, whole_prefills) and flags_in(tested, whole_prefills)
         assert ENGINE_ENV.items() <= services[name]["environment"].items()  # as tests/fleet.py runs them
     for name in ("gateway-1", "gateway-2"):
         env = services[name]["environment"]

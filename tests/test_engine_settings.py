@@ -18,10 +18,12 @@ def test_cpu_defaults_are_todays_engine():
         "cpu", "float32", True, 512 * 1024**2, None)
     assert s.adapter_mode == "merged" and s.enable_prefix_caching is None and s.executor == "uni"
     assert s.engine_start == "forkserver"  # engine cores forked from one server that imported vLLM
+    # each prompt prefilled in one step: a seeded request prefilled in chunks kills a CPU engine (CPU_CHUNKED_PREFILL)
+    assert s.enable_chunked_prefill is False
     assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
-                               "kv_cache_memory_bytes": 512 * 1024**2}
+                               "enable_chunked_prefill": False, "kv_cache_memory_bytes": 512 * 1024**2}
     assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
-                               "--kv-cache-memory-bytes", str(512 * 1024**2)]
+                               "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(512 * 1024**2)]
     # without it vLLM's CPU platform turns "uni" back into a worker process
     assert s.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -30,7 +32,7 @@ def test_cuda_defaults_are_vllms():
     s = resolve(EngineOverrides(), detected="cuda")
     assert (s.device, s.dtype, s.enforce_eager, s.kv_cache_bytes, s.gpu_memory_utilization) == (
         "cuda", "bfloat16", False, None, 0.9)
-    assert s.adapter_mode == "lora" and s.enable_prefix_caching is True
+    assert s.adapter_mode == "lora" and s.enable_prefix_caching is True and s.enable_chunked_prefill is None
     assert s.engine_start == "spawn"  # vLLM's own (it forces spawn once CUDA is initialised)
     assert s.vllm_kwargs() == {"dtype": "bfloat16", "enforce_eager": False, "enable_prefix_caching": True,
                                "gpu_memory_utilization": 0.9}

@@ -242,6 +242,24 @@ def test_sampled_answers_follow_the_seed(client):
     assert len(set(answers.values())) > 1  # at temperature 2 the draw is not always the most probable option
 
 
+def test_seeded_answers_in_a_batch_prefilled_in_chunks_keep_the_engine_and_follow_their_seed(client, gateway):
+    """Twelve seeded answers to ~240-token prompts at once: more prompt than an engine step takes (2,048 tokens), which
+    vLLM prefilled in chunks, and a seeded request prefilled in chunks killed the CPU engine ("CPU Generator does not
+    use offset"; the gateway's engine then stayed dead: every request 503). Now each prompt is prefilled in one step
+    (adapters/engine_settings.py, CPU_CHUNKED_PREFILL): every answer comes back, each the same as its request sent
+    alone, and the gateway stays ready. The prompts' length fits the tests' 128 MB cache, where a longer prompt's
+    chunk found no free block and was not scheduled at all."""
+    filler = "The quick brown fox jumps over the lazy dog. " * 20
+    ask = lambda i: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": f"Note {i}. {filler}Which animal jumps?"}], max_tokens=8,
+        temperature=0.8, seed=i).choices[0]
+    with ThreadPoolExecutor(12) as pool:
+        batched = list(pool.map(ask, range(12)))
+    assert all(c.finish_reason in ("stop", "length") and c.message.content for c in batched)
+    assert [ask(i).message.content for i in (0, 11)] == [batched[0].message.content, batched[11].message.content]
+    assert httpx.get(f"{gateway}/health/ready", timeout=30).status_code == 200
+
+
 def _chat_requests(gateway: str) -> float:
     return sum(metric_values(gateway, "calm_requests_total", endpoint="chat"))
 
