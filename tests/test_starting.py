@@ -5,6 +5,7 @@ its reason. Logic only (a stand-in app); the real engine's start is observed in 
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from contextlib import asynccontextmanager
 
@@ -12,7 +13,7 @@ import httpx
 from fastapi import FastAPI
 
 from calm_core.errors import CalmError
-from gateway.starting import RETRY_AFTER_S, StartingApp
+from gateway.starting import RETRY_AFTER_S, YOUNG_GENERATION_THRESHOLD, StartingApp
 
 
 def inner_app(events: list[str]) -> FastAPI:
@@ -61,8 +62,15 @@ def test_starting_answers_503_until_the_engines_started_then_the_app_answers():
             live = await client.get("/health/live")
             assert live.status_code == 200 and live.json() == {"status": "live", "ready": False}
             assert events == []
-            release.set()
-            await asyncio.wait_for(ready.wait(), 30)
+            default = gc.get_threshold()
+            gc.set_threshold(700, *default[1:])  # CPython's, whatever an earlier test in this process left
+            try:
+                release.set()
+                await asyncio.wait_for(ready.wait(), 30)
+                # Started: the start frozen, the young generation collected less often (a request's objects die young).
+                assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, *default[1:]) and gc.get_freeze_count() > 0
+            finally:
+                gc.set_threshold(*default)
             assert events == ["started"]
             r = await client.get("/v1/models")
             assert r.status_code == 200 and r.json() == {"data": []}
