@@ -345,6 +345,14 @@ class InProcessVLLMEngine:
         for engine in self._engines.values():
             await engine.abort(request_id)  # ids are unique, so aborting in the engine that lacks it is a no-op
 
+    def dead(self) -> str | None:
+        """Why this engine can never serve again, else None: vLLM restarts no engine core that died (its own server
+        exits then), so only a new process serves again (the gateway's liveness probe)."""
+        for weights, engine in self._engines.items():
+            if engine.errored:
+                return f"the in-process vLLM engine serving the {weights} weights died"
+        return None
+
     async def check_health(self) -> None:
         if not self._engines:
             raise EngineUnavailable("engine not started")

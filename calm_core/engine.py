@@ -110,7 +110,8 @@ class EngineClient(Protocol):
     max_model_len: int
     folded_scoring: bool  # serves `folded` requests: the α head folded into the weights (one-pass option scoring)
     # Optional: `prefix_reuse` (honours `reuse_prefix`) and `prefix_block` (tokens per cache block), in-process vLLM;
-    # `async generate_whole(request) -> list[EngineDelta]`: the whole output at once, cheaper than its stream (upstream).
+    # `async generate_whole(request) -> list[EngineDelta]`: the whole output at once, cheaper than its stream (upstream);
+    # `dead() -> str | None`: why the engine can never serve again (an in-process engine core that died), else None.
     free_form_mode: bool  # serves `free_form` requests: the artifact's free-form weights and head
     prompt_logprobs: bool  # answers `prompt_logprobs` requests (raw free-form confidence needs them)
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.servers import calm_argv, free_port, running
+from tests.servers import calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -72,3 +72,30 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
         for response_id, verdict in acknowledged:  # the same verdict again: "already recorded", never a conflict
             r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
             assert r.status_code == 200 and r.json()["recorded"] is False, (response_id, r.text)
+
+
+def test_an_engine_core_that_died_turns_liveness_to_503_so_the_gateway_is_restarted(tmp_path, identity_artifact):
+    """vLLM never restarts an engine core that died, so a gateway whose in-process engine died can answer nothing
+    again. Its engine core killed (SIGKILL): every answer is a clear 503, and /health/live turns 503 too (code
+    engine_dead), so that a liveness probe restarts the gateway instead of leaving it up and unable to answer."""
+    import psutil
+
+    env = {"CALM_DB_PATH": str(tmp_path / "gw.sqlite3"), "CALM_ARTIFACT": str(identity_artifact)}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]}
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "gw.log", env) as proc:
+        assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(f"{base}/health/live", timeout=30).status_code == 200
+        children = psutil.Process(proc.pid).children(recursive=True)
+        # The engine cores: forked by the forkserver (adapters/engine_processes.py), the gateway's only grandchildren.
+        cores = [p for p in children if p.ppid() != proc.pid]
+        assert len(cores) == 1, [(p.pid, p.ppid(), " ".join(p.cmdline())[:120]) for p in children]
+        cores[0].send_signal(signal.SIGKILL)
+        live = wait_until("liveness to turn 503", lambda: (r := httpx.get(f"{base}/health/live", timeout=30))
+                          .status_code == 503 and r, timeout=120)
+        assert live.json()["error"]["code"] == "engine_dead" and "died" in live.json()["error"]["message"]
+        answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable_error"
+        assert httpx.get(f"{base}/health/ready", timeout=30).status_code == 503
+        assert proc.poll() is None  # the process stays up: restarting it is the orchestrator's call

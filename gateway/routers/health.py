@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.errors import APIError
 from gateway.routers.deps import documented, state
 from gateway.state import GatewayState
 
@@ -32,8 +33,16 @@ async def health(gateway: GatewayState = Depends(state)):
             "domains": sorted(gateway.monitor.known)}
 
 
-@router.get("/health/live")
-async def live():
+@router.get("/health/live", responses=documented(503))
+async def live(gateway: GatewayState = Depends(state)):
+    """The process serves, or will once its engines answer again; 503 once an engine died for good (an in-process
+    vLLM engine core is never restarted), so that a liveness probe restarts the gateway, as vLLM's own server exits."""
+    for version, deployment in gateway.deployments.loaded.items():
+        dead = getattr(deployment.service.engine, "dead", None)
+        reason = dead() if dead is not None else None
+        if reason:
+            raise APIError(503, f"version {version}: {reason}; the gateway must be restarted",
+                           "service_unavailable_error", code="engine_dead")
     return {"status": "live", "ready": True}
 
 
