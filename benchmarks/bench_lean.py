@@ -45,6 +45,7 @@ from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402
+from scripts.machine_probe import this_cpu  # noqa: E402
 from tests.litellm_proxy import LITELLM, litellm_proxy  # noqa: E402
 
 MODEL = GatewaySettings.model_fields["served_model_name"].default
@@ -332,6 +333,7 @@ def main() -> None:
     previous = json.loads((args.out / "lean.json").read_text()) if (args.out / "lean.json").exists() else {}
     results: dict = {**previous, "cpus": os.cpu_count(), "max_tokens": MAX_TOKENS, "litellm": LITELLM}
     results.setdefault("measured_at", {})
+    results.setdefault("machine", {})  # the parts kept from an earlier run may have run on another kind of machine
     for part in args.parts:
         if part == "ceiling":
             results[part] = ceiling_part(logs, identity, key, args.rounds, args.seconds, args.connections,
@@ -344,6 +346,7 @@ def main() -> None:
             results[part] = engine_part(logs, identity, key, questions, per_level, args.engine_rounds,
                                         own_core=part == "engine_own_core")
         results["measured_at"][part] = time.strftime("%Y-%m-%d %H:%M")
+        results["machine"][part] = this_cpu()
     (args.out / "lean.json").write_text(json.dumps(results, indent=2))
     (args.out / "lean.md").write_text(markdown(results))
     print(markdown(results))
@@ -354,13 +357,19 @@ ENGINE_SETUPS = {"engine_shared": "engine, proxies and clients sharing both core
                  "engine_own_core": "the engine on core 1 alone, proxies and clients on core 0"}
 
 
+def _when(r: dict, part: str) -> str:
+    """When a part was measured, and on which CPU where recorded (runs before 2026-12-05 did not record it)."""
+    machine = r.get("machine", {}).get(part)
+    return r["measured_at"].get(part, "") + (f", {machine}" if machine else "")
+
+
 def markdown(r: dict) -> str:
     lines = [f"Free-form chat completions ({r['max_tokens']} tokens, greedy); {r['cpus']} CPUs; LiteLLM `{r['litellm']}`.", ""]
     for part, setup in ENGINE_SETUPS.items():
         if part not in r:
             continue
         lines += [f"In front of the real engine (`calm engine`, vLLM on CPU, the embedded model), {setup} "
-                  f"({r['measured_at'].get(part, '')}). Ratio and added p50 against the engine doing the same work: "
+                  f"({_when(r, part)}). Ratio and added p50 against the engine doing the same work: "
                   "the gateway against direct calls asking for the log-probs its confidence needs, the others against "
                   "plain direct calls; in brackets, the gateway against plain direct calls:", "",
                   "| concurrency | direct rps | direct + log-probs rps | "
@@ -380,7 +389,8 @@ def markdown(r: dict) -> str:
     s = r["ceiling_setup"]
     c = r["ceiling"]
     lines += [f"Ceiling: each proxy pinned to one core, instant upstream, wrk with {s['connections']} connections, "
-              f"{s['rounds']} interleaved rounds of {s['seconds']} s (median); the same question in every request "
+              f"{s['rounds']} interleaved rounds of {s['seconds']} s (median; {_when(r, 'ceiling')}); the same question "
+              "in every request "
               f"(the issue's measure), and {c.get('distinct_questions', 0)} distinct TriviaQA questions in turn (no "
               "cache keyed by the request helps):", "",
               "| proxy | requests/s | ratio to pass-through | p50 ms | runs (requests/s) | distinct questions: requests/s "

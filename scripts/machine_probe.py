@@ -56,9 +56,13 @@ def matmul_gflops(size: tuple[int, int, int] = (512, 576, 1536), repeats: int = 
     return 2 * m * k * n / best / 1e9
 
 
+def this_cpu() -> str:
+    """describe_cpu of this machine (what a benchmark's results record beside their date)."""
+    return describe_cpu(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else "unknown CPU"
+
+
 def main() -> None:
-    cpu = describe_cpu(Path("/proc/cpuinfo").read_text()) if Path("/proc/cpuinfo").exists() else "unknown CPU"
-    print(f"{cpu}; {os.cpu_count()} cores; torch float32 matmul on one thread: {matmul_gflops():.1f} GFLOPS")
+    print(f"{this_cpu()}; {os.cpu_count()} cores; torch float32 matmul on one thread: {matmul_gflops():.1f} GFLOPS")
 
 
 if __name__ == "__main__":
