@@ -202,6 +202,8 @@ def test_free_form_eval_of_the_shipped_mode_writes_a_report(tmp_path, embedded_m
     assert m["sem_same_answer"] == 1.0 and m["sem_accuracy"] == m["accuracy"]  # semantic keeps the greedy answer
     answers = [json.loads(l) for l in (out / "answers_popqa_test_0-0.006.jsonl").read_text().splitlines()]
     assert all(sum(a["cluster_sizes"]) == 3 and 0 <= a["semantic_agreeing"] <= 3 for a in answers)
+    # progress on stderr, a line per tenth of each stage (a full run takes tens of minutes)
+    assert "greedy answers: 6/6 questions" in proc.stderr and "3 sampled answers each: 6/6 questions" in proc.stderr
     assert_one_line_error(run_calm("eval", "-d", "popqa:test@0.5", "--out", str(tmp_path / "x")), "name:split@0.7-0.8")
     assert_one_line_error(run_calm("eval", "-d", "popqa:test", "-d", "arc_easy", "--out", str(tmp_path / "x")),
                           "evaluated alone")

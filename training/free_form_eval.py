@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import tempfile
+import time
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -58,6 +60,20 @@ class FreeFormRecord:
     cluster_sizes: list[int] | None = None
 
 
+class StageProgress:
+    """A line on stderr at every tenth of a stage: an offline evaluation with samples runs for tens of minutes, mostly
+    under nohup, where a terminal progress bar would print nothing until the end."""
+
+    def __init__(self, stage: str, total: int):
+        self.stage, self.total, self.done, self.start = stage, total, 0, time.monotonic()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.done == self.total or self.done % max(1, self.total // 10) == 0:
+            print(f"{self.stage}: {self.done}/{self.total} questions ({time.monotonic() - self.start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+
 async def answer_questions(engine: EngineClient, tokenizer, questions: list[OpenQuestion], samples: int,
                            max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = (),
                            semantic_calibration: SemanticCalibration | None = None,
@@ -73,6 +89,7 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
 
     async def greedy(i: int, q: OpenQuestion) -> FreeFormRecord:
         c = (await token.score(replace(job(i, q), with_raw=False))).choices[0]
+        greedy_done.step()
         lps = c.output.token_logprobs
         return FreeFormRecord(q.id, serving_domain(q), c.text, is_correct(c.text, q.answers, q.question),
                               c.confidence, float(math.exp(sum(lps))), len(lps))
@@ -84,11 +101,14 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
         record.semantic_agreeing = round(c.raw_confidence * samples)
         record.semantic_correct = is_correct(c.text, q.answers, q.question)
         record.cluster_sizes = [size for _, size in c.clusters]
+        sampled_done.step()
 
+    greedy_done = StageProgress("greedy answers", len(questions))
     records = await asyncio.gather(*(greedy(i, q) for i, q in enumerate(questions)))
     if samples:
-        await asyncio.gather(*(sampled(i, q, r) for i, (q, r) in enumerate(zip(questions, records))
-                               if q.id not in greedy_only))
+        to_sample = [(i, q, r) for i, (q, r) in enumerate(zip(questions, records)) if q.id not in greedy_only]
+        sampled_done = StageProgress(f"{samples} sampled answers each", len(to_sample))
+        await asyncio.gather(*(sampled(i, q, r) for i, q, r in to_sample))
     return list(records)
 
 
