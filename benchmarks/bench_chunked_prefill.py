@@ -29,14 +29,14 @@ from benchmarks.bench_long_mc import long_questions  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402
 from calm_core.prompts import cloze_prompt  # noqa: E402
+from training.generative import free_form_prompt  # noqa: E402
 
 WAYS = {"chunked (vLLM's default)": True, "whole prompts (CPU engines now)": False}
 
 
 def workloads(tokenizer) -> dict[str, tuple[list[str], int]]:
     """name -> (prompts, max_tokens)."""
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q.question}], tokenize=False,
-                                          add_generation_prompt=True) for q in load_open("triviaqa")[:96]]
+    chat = [free_form_prompt(tokenizer, q.question) for q in load_open("triviaqa")[:96]]  # as the gateway renders it
     questions, _ = long_questions(64)
     options = [cloze_prompt(q.question) + " " + choice for q in questions for choice in q.choices]
     return {"free form": (chat, 16), "long prompts": (options, 1)}
