@@ -8,7 +8,11 @@ this client on core 0, as bench_lean.py's engine part runs. Free-form chat quest
 Each question is sent once per variant in a row (the order rotating per question), so every variant meets the same
 machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call,
 and the CPU the engine's API server process spent per request (the HTTP side of vLLM, on the engine's core: what
-formatting an answer costs, without the noise of 1 s answers).
+formatting an answer costs, without the noise of 1 s answers). Each request's time inside the engine is vLLM's own
+(the growth of `vllm:e2e_request_latency_seconds_sum`, from the request's arrival at the engine, tokenized, to its
+last token; one request at a time, so the growth is that request's): the time outside it (the client's latency minus
+that) is what the HTTP hops, the API server and the gateway add, without the decode steps' jitter, which at
+concurrency 1 is larger than the few milliseconds being compared.
 
 Variants, each one change from the one named in brackets:
   chat+logprobs        the direct baseline of lean.md: /v1/chat/completions, logprobs, top_logprobs 5, JSON
@@ -47,7 +51,7 @@ from calm_core.data import load_open  # noqa: E402
 from calm_core.prompts import render_chat  # noqa: E402
 from calm_core.engine import EngineRequest  # noqa: E402
 from gateway.settings import GatewaySettings  # noqa: E402
-from tests.servers import calm_argv, free_port, running  # noqa: E402
+from tests.servers import calm_argv, free_port, metric_values, running  # noqa: E402
 
 MODEL = GatewaySettings.model_fields["served_model_name"].default
 MAX_TOKENS = 16
@@ -94,6 +98,15 @@ def timed(client: httpx.Client, url: str, body: dict) -> float:
     return (time.perf_counter() - started) * 1000
 
 
+def engine_seconds(engine: str) -> float:
+    """vLLM's summed end-to-end time of the requests it finished (its Prometheus histogram's sum)."""
+    return sum(metric_values(engine, "vllm:e2e_request_latency_seconds_sum"))
+
+
+def paired_median(a: dict[int, float], b: dict[int, float]) -> float:
+    return statistics.median(a[i] - b[i] for i in b)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -118,6 +131,7 @@ def main() -> None:
     engine, gateway = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw}"
     os.sched_setaffinity(0, {0})
     samples: dict[str, dict[int, list[float]]] = {}
+    inside: dict[str, dict[int, list[float]]] = {}  # ms inside the engine, per request
     api_cpu: dict[str, float] = {}  # the engine's API server's CPU seconds, summed per variant
     with ExitStack() as stack:
         server = stack.enter_context(running(["taskset", "-c", "1", *argv], f"{engine}/health", logs / "engine.log",
@@ -138,19 +152,29 @@ def main() -> None:
                 for name, (path, body) in named[k:] + named[:k]:
                     base = gateway if name == "gateway" else engine
                     # taskset execs the server: its pid is the API server's (its own CPU, not the engine core's)
+                    engine_s = engine_seconds(engine)
                     cpu = start_and_cpu_s(server.pid)[1]
                     samples.setdefault(name, {}).setdefault(i, []).append(timed(client, base + path, body))
                     api_cpu[name] = api_cpu.get(name, 0.0) + start_and_cpu_s(server.pid)[1] - cpu
+                    inside.setdefault(name, {}).setdefault(i, []).append(1000 * (engine_seconds(engine) - engine_s))
             print(f"round {r + 1} done", flush=True)
     os.sched_setaffinity(0, range(os.cpu_count()))
     per_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in samples.items()}
-    base = per_q["chat+logprobs"]
+    in_q = {name: {i: statistics.median(xs) for i, xs in by_q.items()} for name, by_q in inside.items()}
+    out_q = {name: {i: statistics.median(t - e for t, e in zip(samples[name][i], inside[name][i])) for i in by_q}
+             for name, by_q in samples.items()}
+    direct = "chat+logprobs"
     results = {name: {"p50_ms": statistics.median(per_q[name].values()),
-                      "vs_direct_ms": statistics.median(per_q[name][i] - base[i] for i in base),
+                      "vs_direct_ms": paired_median(per_q[name], per_q[direct]),
                       "step_from": STEP_FROM.get(name),
                       "api_server_cpu_ms": 1000 * api_cpu[name] / sum(map(len, samples[name].values())),
-                      "step_ms": (statistics.median(per_q[name][i] - per_q[STEP_FROM[name]][i] for i in base)
-                                  if name in STEP_FROM else 0.0)}
+                      "step_ms": paired_median(per_q[name], per_q[STEP_FROM[name]]) if name in STEP_FROM else 0.0,
+                      "inside_p50_ms": statistics.median(in_q[name].values()),
+                      "inside_vs_direct_ms": paired_median(in_q[name], in_q[direct]),
+                      "outside_p50_ms": statistics.median(out_q[name].values()),
+                      "outside_vs_direct_ms": paired_median(out_q[name], out_q[direct]),
+                      "outside_step_ms": (paired_median(out_q[name], out_q[STEP_FROM[name]])
+                                          if name in STEP_FROM else 0.0)}
                for name in per_q}
     results["_run"] = {"questions": len(questions), "rounds": args.rounds, "max_tokens": MAX_TOKENS}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,12 +189,15 @@ def markdown(r: dict) -> str:
              f"{run['rounds']} rounds, {run['max_tokens']} tokens greedy, concurrency 1; `calm engine` alone on core 1, "
              "gateway and client on core 0):", "",
              "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) | step from "
-             "| engine's API server CPU per request (ms) |",
-             "|---|---:|---:|---:|---|---:|"]
+             "| engine's API server CPU per request (ms) | inside the engine: p50 ms, vs direct | outside the engine: "
+             "p50 ms | outside: vs direct | outside: this step |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, x in r.items():
         if not name.startswith("_"):
             lines.append(f"| {name} | {x['p50_ms']:.1f} | {x['vs_direct_ms']:+.1f} ms | {x['step_ms']:+.1f} ms "
-                         f"| {x['step_from'] or '-'} | {x['api_server_cpu_ms']:.1f} |")
+                         f"| {x['step_from'] or '-'} | {x['api_server_cpu_ms']:.1f} "
+                         f"| {x['inside_p50_ms']:.1f}, {x['inside_vs_direct_ms']:+.1f} | {x['outside_p50_ms']:.2f} "
+                         f"| {x['outside_vs_direct_ms']:+.2f} ms | {x['outside_step_ms']:+.2f} ms |")
     return "\n".join(lines) + "\n"
 
 
