@@ -5,8 +5,12 @@ time from the direct call it is compared with, then the gateway itself, at concu
 
 `calm engine` (vLLM on CPU, the embedded model, identity artifact) alone on core 1; the gateway (upstream mode) and
 this client on core 0, as bench_lean.py's engine part runs. Free-form chat questions (TriviaQA), 16 tokens, greedy.
-Each question is sent once per variant in a row (the order rotating per question), so every variant meets the same
-machine state; per variant: p50 latency and the median over questions of its difference to the direct chat call,
+Each variant sends every question in a row, after one unmeasured request (a block per variant and round, the order
+of the blocks rotating per round): at concurrency 1 one request follows the last, so each path's connections stay
+open, as a client's steady traffic keeps them. (Until 2026-12-05 the variants alternated question by question: each
+gateway request then came ~7 answers after the last, past the 4 s after which the gateway closes an idle upstream
+connection, so every one opened a new connection to the engine, which no direct variant did.) Per variant: p50
+latency and the median over questions of its difference to the direct chat call,
 and the CPU the engine's API server process spent per request (the HTTP side of vLLM, on the engine's core: what
 formatting an answer costs, without the noise of 1 s answers). Each request's time inside the engine is vLLM's own
 (the growth of `vllm:e2e_request_latency_seconds_sum`, from the request's arrival at the engine, tokenized, to its
@@ -56,6 +60,7 @@ from tests.servers import calm_argv, free_port, metric_values, running  # noqa: 
 MODEL = GatewaySettings.model_fields["served_model_name"].default
 MAX_TOKENS = 16
 TOP = 5
+WARM_QUESTION = "Which planet is known as the Red Planet?"  # each block's unmeasured first request
 
 
 def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]:
@@ -145,12 +150,15 @@ def main() -> None:
         for q in questions[:4]:  # warm-up
             for name, (path, body) in variants(tokenizer, q, head).items():
                 timed(client, (gateway if name == "gateway" else engine) + path, body)
+        asked = [variants(tokenizer, q, head) for q in questions]
+        names = list(asked[0])
         for r in range(args.rounds):
-            for i, q in enumerate(questions):
-                named = list(variants(tokenizer, q, head).items())
-                k = (i + r) % len(named)
-                for name, (path, body) in named[k:] + named[:k]:
-                    base = gateway if name == "gateway" else engine
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                base = gateway if name == "gateway" else engine
+                path, body = variants(tokenizer, WARM_QUESTION, head)[name]
+                timed(client, base + path, body)  # the block's connections opened, as steady traffic keeps them
+                for i, named in enumerate(asked):
+                    path, body = named[name]
                     # taskset execs the server: its pid is the API server's (its own CPU, not the engine core's)
                     engine_s = engine_seconds(engine)
                     cpu = start_and_cpu_s(server.pid)[1]

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,7 +70,10 @@ def cache_upstream_answer() -> None:
     UpstreamVLLMEngine.generate_whole = generate_whole
 
 
-async def measure(upstream: str, work: Path, args) -> list[float]:
+@asynccontextmanager
+async def built_gateway(upstream: str, work: Path):
+    """`calm serve`'s app (upstream mode, the identity artifact) started in this process and warmed (connections,
+    caches), without its HTTP server."""
     identity = work / "identity"
     write_identity_artifact(identity, None, with_reference=False)
     os.environ.update(upstream_gateway_env(upstream, work, "cpu", identity))
@@ -82,34 +86,16 @@ async def measure(upstream: str, work: Path, args) -> list[float]:
     await starting._start()
     if starting.app is None:
         raise RuntimeError(f"the gateway did not start: {starting.failed}")
-    if args.cached_answer:
-        cache_upstream_answer()
     try:
-        for _ in range(300):  # warm: connections, caches
+        for _ in range(300):
             await one(starting.app)
-        slots = asyncio.Semaphore(32)
-
-        async def limited():
-            async with slots:
-                await one(starting.app)
-
-        per_request = []
-        for r in range(args.rounds):
-            cpu = time.process_time()
-            await asyncio.gather(*(limited() for _ in range(args.requests)))
-            per_request.append((time.process_time() - cpu) / args.requests * 1e6)
-            print(f"round {r + 1}: {per_request[-1]:.1f} µs of CPU per request", file=sys.stderr, flush=True)
-        return per_request
+        yield starting.app
     finally:
         await starting._lifespan.aclose()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=6000, help="per round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cached-answer", action="store_true", help="no upstream call after the first")
-    args = parser.parse_args()
+def with_instant_upstream(measure, *args):
+    """`measure(upstream, work, *args)` on uvloop, on core 0, the instant upstream on core 1."""
     import uvloop
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,7 +105,40 @@ def main() -> None:
         argv = ["taskset", "-c", "1", sys.executable, str(REPO / "benchmarks/instant_upstream.py"), str(port)]
         with running(argv, f"{upstream}/health", work / "instant.log"):
             os.sched_setaffinity(0, {0})
-            rounds = uvloop.run(measure(upstream, work, args))
+            try:
+                return uvloop.run(measure(upstream, work, *args))
+            finally:
+                os.sched_setaffinity(0, range(os.cpu_count()))
+
+
+async def measure(upstream: str, work: Path, args) -> list[float]:
+    async with built_gateway(upstream, work) as app:
+        if args.cached_answer:
+            cache_upstream_answer()
+            for _ in range(300):
+                await one(app)
+        slots = asyncio.Semaphore(32)
+
+        async def limited():
+            async with slots:
+                await one(app)
+
+        per_request = []
+        for r in range(args.rounds):
+            cpu = time.process_time()
+            await asyncio.gather(*(limited() for _ in range(args.requests)))
+            per_request.append((time.process_time() - cpu) / args.requests * 1e6)
+            print(f"round {r + 1}: {per_request[-1]:.1f} µs of CPU per request", file=sys.stderr, flush=True)
+        return per_request
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=6000, help="per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cached-answer", action="store_true", help="no upstream call after the first")
+    args = parser.parse_args()
+    rounds = with_instant_upstream(measure, args)
     print(f"CPU per request (µs), {'cached answer' if args.cached_answer else 'upstream called'}: "
           f"{', '.join(f'{x:.1f}' for x in rounds)}; min {min(rounds):.1f}")
 
