@@ -151,11 +151,12 @@ def main() -> None:
             for name, (path, body) in variants(tokenizer, q, head).items():
                 timed(client, (gateway if name == "gateway" else engine) + path, body)
         asked = [variants(tokenizer, q, head) for q in questions]
-        names = list(asked[0])
+        warm = variants(tokenizer, WARM_QUESTION, head)
+        names = list(warm)
         for r in range(args.rounds):
             for name in names[r % len(names):] + names[: r % len(names)]:
                 base = gateway if name == "gateway" else engine
-                path, body = variants(tokenizer, WARM_QUESTION, head)[name]
+                path, body = warm[name]
                 timed(client, base + path, body)  # the block's connections opened, as steady traffic keeps them
                 for i, named in enumerate(asked):
                     path, body = named[name]

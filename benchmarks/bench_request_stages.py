@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_request_cpu import BODY, built_gateway, one, with_instant_upstream  # noqa: E402
+from benchmarks.bench_request_cpu import built_gateway, one, with_instant_upstream  # noqa: E402
 
 STAGES: dict[str, list[int]] = {}
 
@@ -74,7 +74,7 @@ def instrument() -> list[tuple[str, int]]:
     return [("request (ASGI call)", 0)] + [(stage, depth) for *_, stage, depth in wrapped]
 
 
-async def measure(upstream: str, work: Path, requests: int, without_record: bool) -> dict[str, float]:
+async def measure(upstream: str, work: Path, requests: int, without_record: bool) -> dict:
     import aiohttp
 
     from adapters.upstream import _payload
@@ -105,7 +105,7 @@ async def measure(upstream: str, work: Path, requests: int, without_record: bool
                 if i >= 300:
                     bare.append(time.perf_counter_ns() - started)
     return {"stages": [(stage, depth, medians[stage]) for stage, depth in order if stage in medians],
-            "bare_hop_us": statistics.median(bare) / 1000, "requests": requests, "body_bytes": len(BODY)}
+            "bare_hop_us": statistics.median(bare) / 1000, "requests": requests}
 
 
 def main() -> None:
