@@ -68,7 +68,7 @@ def instrument() -> list[tuple[str, int]]:
                (aiohttp.ClientResponse, "read", "the body read", 4),
                (CalibratedService, "calibrate", "calibrate", 3),
                (CalibratedService, "record", "record (group commit, awaited)", 3),
-               (Store, "record_responses", "the write itself (worker thread)", 4)]
+               (Store, "record_responses", "the write itself (on the loop alone, else in the thread)", 4)]
     for owner, name, stage, _ in wrapped:
         timed(owner, name, stage)
     return [("request (ASGI call)", 0)] + [(stage, depth) for *_, stage, depth in wrapped]

@@ -3,14 +3,17 @@ and the CLI. SQLite (a file, the embedded default) or PostgreSQL (replicas and w
 
 Writes are transactions: BEGIN IMMEDIATE on SQLite (its single writer taken up front, so two writers wait instead of
 failing half-way), a plain transaction on PostgreSQL where row locks (`SELECT … FOR UPDATE`) order concurrent writers.
+A SQLite write may also be asked not to wait (`_write(wait=False)`, for a caller on the event loop): it raises
+WriterBusy instead, and the caller writes the usual way in a thread.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 
 
@@ -30,6 +33,15 @@ def database_url(path_or_url: str | Path) -> str:
 
 
 _SCHEMA_LOCK = 0x43414C4D  # "CALM": the advisory lock key under which tables are created
+# A write that may not wait never checkpoints SQLite's WAL (a checkpoint copies up to ~1,000 pages and fsyncs: not on
+# the event loop); it declines one time in this many, so a waiting write comes in between, whose connection runs
+# SQLite's automatic checkpoint once the WAL passes 1,000 pages (an answer's record adds ~5.5).
+CHECKPOINT_EVERY = 64
+
+
+class WriterBusy(Exception):
+    """A write asked not to wait would have had to: another writer holds SQLite's lock (in this process or another),
+    a checkpoint is due, or the database is not SQLite. Nothing was written."""
 
 
 class Database:
@@ -43,8 +55,12 @@ class Database:
             self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10)
         # SQLite has one writer: this process's writes are serialised here rather than retried on "database is locked".
         self._write_lock = threading.Lock() if self.sqlite else _NoLock()
+        self._unwaiting: Connection | None = None  # the connection of writes that may not wait, made on first use
+        self._unwaiting_writes = 0
 
     def close(self) -> None:
+        if self._unwaiting is not None:
+            self._unwaiting.close()
         self.engine.dispose()
 
     def create_tables(self, meta) -> None:
@@ -69,9 +85,19 @@ class Database:
         statement = dialect.insert(table).on_conflict_do_nothing(index_elements=[table.c[key]])
         return PreparedInsert(statement.compile(dialect=self.engine.dialect))
 
-    def _write(self):
-        """A write transaction: `with db._write() as conn:`, committed on success, rolled back on any error."""
-        return _WriteTx(self)
+    def _write(self, wait: bool = True):
+        """A write transaction: `with db._write() as conn:`, committed on success, rolled back on any error. With
+        `wait=False` its start raises WriterBusy where it would wait (SQLite only)."""
+        return _WriteTx(self, wait)
+
+    def _unwaiting_connection(self):
+        """Kept out of the pool: it never waits for SQLite's lock (busy_timeout 0) and never checkpoints the WAL."""
+        if self._unwaiting is None:
+            conn = self.engine.connect()
+            conn.connection.driver_connection.execute("PRAGMA busy_timeout=0")
+            conn.connection.driver_connection.execute("PRAGMA wal_autocheckpoint=0")
+            self._unwaiting = conn
+        return self._unwaiting
 
 
 class PreparedInsert:
@@ -108,6 +134,12 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
 
 
 class _NoLock:
+    def acquire(self, blocking: bool = True) -> bool:
+        return True
+
+    def release(self) -> None:
+        pass
+
     def __enter__(self):
         return self
 
@@ -116,11 +148,14 @@ class _NoLock:
 
 
 class _WriteTx:
-    def __init__(self, db: Database):
+    def __init__(self, db: Database, wait: bool = True):
         self.db = db
+        self.wait = wait
 
     def __enter__(self):
-        self.db._write_lock.__enter__()
+        if not self.wait:
+            return self._enter_unwaiting()
+        self.db._write_lock.acquire()
         try:
             self.conn = self.db.engine.connect()
             if self.db.sqlite:  # on the driver, as PreparedInsert: SQLite's autocommit mode leaves BEGIN to us
@@ -128,11 +163,32 @@ class _WriteTx:
             else:
                 self.conn.begin()
         except BaseException:
-            self.db._write_lock.__exit__(None, None, None)
+            self.db._write_lock.release()
+            raise
+        return self.conn
+
+    def _enter_unwaiting(self):
+        db = self.db
+        if not db.sqlite or not db._write_lock.acquire(blocking=False):
+            raise WriterBusy
+        try:
+            db._unwaiting_writes += 1
+            if db._unwaiting_writes % CHECKPOINT_EVERY == 0:
+                raise WriterBusy
+            self.conn = db._unwaiting_connection()
+            try:
+                self.conn.connection.driver_connection.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:  # another process's writer: SQLITE_BUSY at once, as busy_timeout 0 says
+                if e.sqlite_errorcode == sqlite3.SQLITE_BUSY:
+                    raise WriterBusy from None
+                raise
+        except BaseException:
+            db._write_lock.release()
             raise
         return self.conn
 
     def __exit__(self, exc_type, exc, tb):
+        ended = False
         try:
             if self.db.sqlite:
                 self.conn.connection.driver_connection.execute("ROLLBACK" if exc_type else "COMMIT")
@@ -140,7 +196,12 @@ class _WriteTx:
                 self.conn.rollback()
             else:
                 self.conn.commit()
+            ended = True
         finally:
-            self.conn.close()
-            self.db._write_lock.__exit__(None, None, None)
+            if self.wait:
+                self.conn.close()  # the pool rolls back what a failed end left open
+            elif not ended:  # its transaction may still be open: the next write that may not wait takes a new connection
+                self.db._unwaiting = None
+                self.conn.close()
+            self.db._write_lock.release()
         return False

@@ -46,7 +46,8 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
         artifacts.ensure_default(artifact.path)
     capture = Capture(store)
     capture_book = CaptureBook(capture)
-    shared = SharedParts.build(settings, tokenizer, store, monitor, capture_book)
+    in_flight = InFlight(settings.max_in_flight)
+    shared = SharedParts.build(settings, tokenizer, store, monitor, capture_book, alone=lambda: in_flight.count <= 1)
 
     def make_service(version_engine: EngineClient, loaded: LoadedArtifact) -> CalibratedService:
         return CalibratedService(version_engine, ServedArtifact.of(loaded), shared)
@@ -54,7 +55,6 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
     default = Deployment(artifact.manifest.artifact_version, make_service(engine, artifact), artifact)
     deployments = Deployments(default, artifacts, make_service, monitor, load_version, settings.drain_s,
                               settings.registry_poll_s)
-    in_flight = InFlight(settings.max_in_flight)
     metrics.in_flight.set_function(lambda: in_flight.count)  # read at scrape time: nothing per request
     return GatewayState(settings, store, prometheus, metrics, monitor, shared, deployments, artifacts, JobQueue(store),
                         capture, capture_book, KeyRing(store, settings.api_keys_required), in_flight)

@@ -5,6 +5,11 @@ commit; one transaction per request, each with its own thread hop, was about a t
 ceiling (benchmarks/bench_lean.py --profile). Here the first caller starts a writer; whatever arrives while a
 transaction is in progress goes into the next one, so a burst of N requests costs a few transactions, and a lone
 request still costs exactly one, with no added wait.
+
+A request alone in the gateway (concurrency 1) writes on the event loop instead, where SQLite's lock is free at once
+(`write_at_once`): nothing else waits on the loop then, and the hop to a thread and back cost more than the write (no
+fsync: SQLite's WAL with synchronous=NORMAL) and ran beside the request's next upstream call
+(benchmarks/bench_request_stages.py). With company, a write on the loop would stall the others and end group commit.
 """
 
 from __future__ import annotations
@@ -17,13 +22,19 @@ Row = TypeVar("Row")
 
 
 class GroupCommit(Generic[Row]):
-    def __init__(self, write: Callable[[list[Row]], None]):
+    def __init__(self, write: Callable[[list[Row]], object],
+                 write_at_once: Callable[[list[Row]], bool] | None = None, alone: Callable[[], bool] = lambda: False):
         self._write = write  # blocking: one transaction for all the rows given
+        self._write_at_once = write_at_once  # brief: False, nothing written, where it would have to wait
+        self._alone = alone  # no other request in flight
         self._pending: list[tuple[Sequence[Row], asyncio.Future]] = []
         self._writer: asyncio.Task | None = None
 
     async def add(self, rows: Sequence[Row]) -> None:
         """Returns once `rows` are committed; raises what the write raised (the whole batch failed with it)."""
+        idle = self._writer is None or self._writer.done()
+        if idle and self._write_at_once is not None and self._alone() and self._write_at_once(list(rows)):
+            return
         future = asyncio.get_running_loop().create_future()
         self._pending.append((rows, future))
         if self._writer is None or self._writer.done():

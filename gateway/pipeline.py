@@ -10,7 +10,7 @@ writes the response or its SSE chunks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -86,12 +86,15 @@ class SharedParts:
 
     @classmethod
     def build(cls, settings: GatewaySettings, tokenizer, store: Store, monitor: DomainMonitor,
-              capture: CaptureBook | None = None) -> "SharedParts":
+              capture: CaptureBook | None = None, alone: Callable[[], bool] = lambda: False) -> "SharedParts":
+        """`alone`: no other request in flight, when a response's record may be written on the event loop."""
         policies = PolicyBook(store)
         guarantees = GuaranteedThresholds(store, monitor.metrics, policies.in_force, monitor.reference,
                                           settings.risk_refit_every)
-        return cls(settings, tokenizer, store, monitor, policies, guarantees, capture,
-                   GroupCommit(lambda rows: store.record_responses(rows)), Handoff(HandoffStore(store), monitor.metrics))
+        responses = GroupCommit(lambda rows: store.record_responses(rows),
+                                (lambda rows: store.record_responses(rows, wait=False)) if store.sqlite else None, alone)
+        return cls(settings, tokenizer, store, monitor, policies, guarantees, capture, responses,
+                   Handoff(HandoffStore(store), monitor.metrics))
 
     def record_verdict(self, response_key: str, domain: str, correct: bool) -> bool | None:
         """Feedback on a stored answer, then the domain's online calibration and guarantee see it (blocking: call it
@@ -229,8 +232,8 @@ class CalibratedService:
                                lambda token_id: self.tokenizer.decode([token_id]))
 
     async def record(self, served: Served, ctx: RequestContext) -> None:
-        """Store the choices' confidences (for feedback) off the event loop: a database write must not stall the
-        requests being served meanwhile; keep the question for retraining where the domain opted in."""
+        """Store the choices' confidences (for feedback) before the response goes out: group-committed in a thread, or
+        on the event loop for a request alone (gateway/group_commit.py)."""
         rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served)
                 for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
         if rows:

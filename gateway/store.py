@@ -17,7 +17,7 @@ from pathlib import Path
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from calm_core.db import Database
+from calm_core.db import Database, WriterBusy
 from calm_core.served_answers import META as SERVED_META
 from calm_core.served_answers import SERVED_ANSWERS, judge
 from gateway.keys import ClientKey
@@ -138,15 +138,21 @@ class Store(Database):
     def record_response(self, response_id: str, domain: str, confidence: float) -> None:
         self.record_responses([(response_id, domain, confidence)])
 
-    def record_responses(self, rows: list[tuple]) -> None:
+    def record_responses(self, rows: list[tuple], wait: bool = True) -> bool:
         """Several (id, domain, confidence[, ServedAnswer]) in one transaction (the choices of one response, or a group
         commit's); ids already stored are left as they are. A ServedAnswer keeps what the confidence was made of (the
-        labels feedback gives for recalibration, calm_core/served_answers.py)."""
+        labels feedback gives for recalibration, calm_core/served_answers.py). With `wait=False` nothing is written and
+        False returned where the write would wait for SQLite's lock (calm_core/db.py WriterBusy)."""
         at = time.time()
         served = [r[3].row(r[0], r[1]) for r in rows if len(r) > 3 and r[3] is not None]
-        with self._write() as c:  # one statement per table, no read first
-            self._insert_responses.execute(c, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at) for r in rows])
-            self._insert_served.execute(c, served)
+        try:
+            with self._write(wait) as c:  # one statement per table, no read first
+                self._insert_responses.execute(c, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at)
+                                                   for r in rows])
+                self._insert_served.execute(c, served)
+        except WriterBusy:
+            return False
+        return True
 
     def get_response(self, response_id: str) -> tuple[str, float] | None:
         with self.engine.connect() as c:

@@ -704,6 +704,53 @@ def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_
     assert all(isinstance(e, OSError) for e in errors) and len(written) == 2
 
 
+def test_group_commit_writes_a_lone_request_on_the_loop_and_anything_else_in_the_thread():
+    """Alone, with no transaction in progress, a request's rows are written at once on the event loop; where that
+    write declines (the lock is busy), where other requests are in flight, or where a transaction is in progress (its
+    batch may still take the rows), they go to the writer thread."""
+    import asyncio
+    import threading
+
+    from gateway.group_commit import GroupCommit
+
+    loop_thread = threading.get_ident()
+    writes: list[tuple[str, list[int]]] = []
+    writing, release = threading.Event(), threading.Event()
+    alone = True
+
+    def write(rows):
+        writes.append(("thread" if threading.get_ident() != loop_thread else "loop?", list(rows)))
+        if 9 in rows:
+            writing.set()
+            assert release.wait(120)
+
+    def write_at_once(rows) -> bool:
+        if 0 in rows:  # busy
+            return False
+        writes.append(("loop" if threading.get_ident() == loop_thread else "thread?", list(rows)))
+        return True
+
+    async def requests():
+        nonlocal alone
+        commit = GroupCommit(write, write_at_once, lambda: alone)
+        await commit.add([1])
+        await commit.add([0])
+        alone = False
+        await commit.add([2])
+        slow = asyncio.create_task(commit.add([9]))
+        await asyncio.to_thread(writing.wait, 120)
+        alone = True
+        queued = asyncio.create_task(commit.add([3]))  # a transaction is in progress: joins the next batch
+        while not (commit._pending or queued.done()):
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(slow, queued)
+        await commit.add([4])
+
+    asyncio.run(requests())
+    assert writes == [("loop", [1]), ("thread", [0]), ("thread", [2]), ("thread", [9]), ("thread", [3]), ("loop", [4])]
+
+
 def test_the_prompt_token_bound_is_never_below_the_token_count(embedded_model_dir):
     """The cheap bound that spares tokenizing short prompts (gateway/prepare.py) holds on real questions under the
     chat template, in several scripts."""

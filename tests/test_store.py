@@ -230,3 +230,48 @@ def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_r
     assert store.add_feedback("g", False) is True and store.add_feedback("h", True) is True
     assert [(j.confidence, j.correct) for j in judged_free_form(store, "science", "v1")] == [(0.4, True), (0.8, False)]
     assert judged_free_form(store, "science", "v0") == []
+
+
+def test_a_write_that_may_not_wait_declines_on_a_busy_sqlite_and_keeps_the_wal_bounded(tmp_path):
+    """A request alone has its record written on the event loop (gateway/group_commit.py), so that write must never
+    wait for SQLite's lock (held by another process, or by this one's worker thread), must survive a failed statement, and never checkpoints the
+    WAL itself: the WAL stays bounded when such writes carry all the traffic (one in CHECKPOINT_EVERY declines)."""
+    import os
+    import sqlite3
+    import time
+
+    from calm_core.db import CHECKPOINT_EVERY
+    from calm_core.served_answers import ServedAnswer
+
+    path = tmp_path / "gateway.sqlite3"
+    store = Store(str(path))
+    served = ServedAnswer("v1", "free_form", 0.5, "token")
+
+    def record(i: int, wait: bool = False) -> bool:
+        return store.record_responses([(f"chatcmpl-{i:024d}", "science", 0.5, served)], wait=wait)
+
+    assert record(0) is True
+    other_process = sqlite3.connect(path, isolation_level=None)
+    other_process.execute("BEGIN IMMEDIATE")
+    began = time.monotonic()
+    assert record(1) is False
+    assert time.monotonic() - began < 10  # declined at once, not after the store's 30 s busy timeout
+    other_process.execute("ROLLBACK")
+    other_process.close()
+    with store._write_lock:  # this process's worker thread in a write
+        began = time.monotonic()
+        assert record(2) is False
+        assert time.monotonic() - began < 10
+    assert store.get_response(f"chatcmpl-{1:024d}") is None and store.get_response(f"chatcmpl-{2:024d}") is None
+    with pytest.raises(sqlite3.IntegrityError):  # a failed statement is rolled back; the next write goes on
+        store.record_responses([("broken", None, 0.5)], wait=False)
+    declined = 0
+    for i in range(3, 3003):
+        if not record(i):
+            declined += 1
+            assert record(i, wait=True) is True
+    assert declined == pytest.approx(3000 / CHECKPOINT_EVERY, abs=2)
+    assert store.get_response(f"chatcmpl-{3002:024d}") == ("science", 0.5)
+    wal_pages = os.path.getsize(f"{path}-wal") / 4096
+    assert wal_pages < 1500, wal_pages  # SQLite checkpoints at 1,000; without the declines: ~16,800 (5.5 a record)
+    store.close()
