@@ -194,7 +194,8 @@ def main() -> None:
 
 def markdown(r: dict) -> str:
     run = r["_run"]
-    lines = [f"`python benchmarks/bench_added_latency.py` (one run, {run['questions']} TriviaQA questions x "
+    lines = [f"`python benchmarks/bench_added_latency.py --questions {run['questions']} --rounds {run['rounds']}` "
+             f"(one run, {run['questions']} TriviaQA questions x "
              f"{run['rounds']} rounds, {run['max_tokens']} tokens greedy, concurrency 1; `calm engine` alone on core 1, "
              "gateway and client on core 0):", "",
              "| request | p50 ms | vs direct chat + log-probs (median paired) | this step (median paired) | step from "

@@ -35,7 +35,7 @@ def database_url(path_or_url: str | Path) -> str:
 _SCHEMA_LOCK = 0x43414C4D  # "CALM": the advisory lock key under which tables are created
 # A write that may not wait never checkpoints SQLite's WAL (a checkpoint copies up to ~1,000 pages and fsyncs: not on
 # the event loop); it declines one time in this many, so a waiting write comes in between, whose connection runs
-# SQLite's automatic checkpoint once the WAL passes 1,000 pages (an answer's record adds ~5.5).
+# SQLite's automatic checkpoint once the WAL passes 1,000 pages (an answer's record adds a few).
 CHECKPOINT_EVERY = 64
 
 
