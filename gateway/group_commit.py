@@ -37,7 +37,7 @@ class GroupCommit(Generic[Row]):
             return
         future = asyncio.get_running_loop().create_future()
         self._pending.append((rows, future))
-        if self._writer is None or self._writer.done():
+        if idle:
             self._writer = asyncio.get_running_loop().create_task(self._drain())
         # Shielded: a caller that gives up (deadline, disconnect) must not cancel the others' commit.
         await asyncio.shield(future)
