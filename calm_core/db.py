@@ -90,7 +90,7 @@ class Database:
         `wait=False` its start raises WriterBusy where it would wait (SQLite only)."""
         return _WriteTx(self, wait)
 
-    def _unwaiting_connection(self):
+    def _unwaiting_connection(self) -> Connection:
         """Kept out of the pool: it never waits for SQLite's lock (busy_timeout 0) and never checkpoints the WAL."""
         if self._unwaiting is None:
             conn = self.engine.connect()
