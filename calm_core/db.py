@@ -140,12 +140,6 @@ class _NoLock:
     def release(self) -> None:
         pass
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
 
 class _WriteTx:
     def __init__(self, db: Database, wait: bool = True):

@@ -23,7 +23,7 @@ Row = TypeVar("Row")
 
 class GroupCommit(Generic[Row]):
     def __init__(self, write: Callable[[list[Row]], object],
-                 write_at_once: Callable[[list[Row]], bool] | None = None, alone: Callable[[], bool] = lambda: False):
+                 write_at_once: Callable[[Sequence[Row]], bool] | None = None, alone: Callable[[], bool] = lambda: False):
         self._write = write  # blocking: one transaction for all the rows given
         self._write_at_once = write_at_once  # brief: False, nothing written, where it would have to wait
         self._alone = alone  # no other request in flight
@@ -33,7 +33,7 @@ class GroupCommit(Generic[Row]):
     async def add(self, rows: Sequence[Row]) -> None:
         """Returns once `rows` are committed; raises what the write raised (the whole batch failed with it)."""
         idle = self._writer is None or self._writer.done()
-        if idle and self._write_at_once is not None and self._alone() and self._write_at_once(list(rows)):
+        if idle and self._write_at_once is not None and self._alone() and self._write_at_once(rows):
             return
         future = asyncio.get_running_loop().create_future()
         self._pending.append((rows, future))

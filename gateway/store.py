@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
@@ -138,7 +139,7 @@ class Store(Database):
     def record_response(self, response_id: str, domain: str, confidence: float) -> None:
         self.record_responses([(response_id, domain, confidence)])
 
-    def record_responses(self, rows: list[tuple], wait: bool = True) -> bool:
+    def record_responses(self, rows: Sequence[tuple], wait: bool = True) -> bool:
         """Several (id, domain, confidence[, ServedAnswer]) in one transaction (the choices of one response, or a group
         commit's); ids already stored are left as they are. A ServedAnswer keeps what the confidence was made of (the
         labels feedback gives for recalibration, calm_core/served_answers.py). With `wait=False` nothing is written and

@@ -234,8 +234,9 @@ def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_r
 
 def test_a_write_that_may_not_wait_declines_on_a_busy_sqlite_and_keeps_the_wal_bounded(tmp_path):
     """A request alone has its record written on the event loop (gateway/group_commit.py), so that write must never
-    wait for SQLite's lock (held by another process, or by this one's worker thread), must survive a failed statement, and never checkpoints the
-    WAL itself: the WAL stays bounded when such writes carry all the traffic (one in CHECKPOINT_EVERY declines)."""
+    wait for SQLite's lock (held by another process, or by this one's worker thread), must survive a failed statement,
+    and never checkpoints the WAL itself: the WAL stays bounded when such writes carry all the traffic (one in
+    CHECKPOINT_EVERY declines)."""
     import os
     import sqlite3
     import time
