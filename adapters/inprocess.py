@@ -18,34 +18,11 @@ from adapters.engine_settings import EngineOverrides, EngineSettings, engine_wai
 from adapters.merged_weights import built_merged_dir, merged_model_dir
 from adapters.vllm_common import (ADAPTER_NAME, CORE_SHARE_KEY, CORE_SHARE_PROCESSOR, HEAD_ARG_KEY, OPT_OUT_KEY,
                                   EngineConfig, register_registry_root)
+from adapters.vllm_outputs import deltas_from_output
+from adapters.vllm_runner import model_runner
 from calm_core.artifact import load_artifact, read_manifest
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest, EngineUnavailable
 from calm_core.startup import stage
-
-
-def _deltas_from_output(out, started: bool) -> list[EngineDelta]:
-    """One delta per completion with new output (n > 1 requests interleave their completions)."""
-    deltas = []
-    for completion in out.outputs:
-        delta = EngineDelta(
-            text=completion.text,
-            token_ids=list(completion.token_ids),
-            finish_reason=completion.finish_reason,
-            prompt_tokens=None if started else len(out.prompt_token_ids or []),
-            index=completion.index,
-        )
-        if not started and out.prompt_logprobs:
-            # Read after the prefix cache (`reuse_prefix`), the rows of the cached positions are not computed (what they
-            # hold is stale), nor the first one after them (its logits are the last cached position's): NaN.
-            ids, cached = out.prompt_token_ids or [], getattr(out, "num_cached_tokens", 0) or 0
-            known_from = cached + 1 if cached else 0
-            delta.prompt_logprobs = [float(p[t].logprob) if i >= known_from and p and t in p else float("nan")
-                                     for i, (t, p) in enumerate(zip(ids, out.prompt_logprobs))]
-        for tok, position in zip(completion.token_ids, completion.logprobs or []):
-            delta.token_logprobs.append(float(position[tok].logprob) if tok in position else float("nan"))
-            delta.top_logprobs.append({int(t): float(lp.logprob) for t, lp in position.items()})
-        deltas.append(delta)
-    return deltas
 
 
 def engine_args(kwargs: dict, core_share: dict | None):
@@ -53,7 +30,8 @@ def engine_args(kwargs: dict, core_share: dict | None):
     configured where given."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    if core_share is not None:
+    # The step hook is a V1 logits processor: Model Runner V2 would refuse it by name (vLLM with Triton on a CPU).
+    if core_share is not None and model_runner() == "v1":
         kwargs = {**kwargs, "logits_processors": [*kwargs["logits_processors"], CORE_SHARE_PROCESSOR],
                   "additional_config": {**kwargs["additional_config"], CORE_SHARE_KEY: core_share}}
     return AsyncEngineArgs(**kwargs, disable_log_stats=True)
@@ -305,7 +283,7 @@ class InProcessVLLMEngine:
         try:
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)} if request.prompt_token_ids else request.prompt
             async for out in engine.generate(prompt, params, request.request_id, lora_request=lora):
-                for delta in _deltas_from_output(out, started):
+                for delta in deltas_from_output(out, started):
                     yield delta
                 started = True
         except VLLMClientError as e:

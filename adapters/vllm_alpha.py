@@ -1,152 +1,126 @@
-"""The α head inside vLLM: a v1 batch-level logits processor computing d ⊙ z + l for every request.
+"""The α head's vLLM entry point (group `vllm.logits_processors`, pyproject.toml), for either model runner.
 
-It is installed as a vLLM plugin (entry point group `vllm.logits_processors`, pyproject.toml), so any vLLM engine in
-this environment loads it: a stock `vllm serve MODEL --logprobs-mode processed_logprobs --additional-config
-'{"calm_artifact": "/registry/VERSION"}'` serves that version's head, with no CALM launcher. Without a configured
-artifact it changes nothing (an engine that is not CALM's, or one whose requests all name their head). Named also
-explicitly (`--logits-processors`, the in-process engines), vLLM builds it twice; the second instance for an engine
-stands aside.
+Installed as a plugin, it is loaded by every vLLM engine in the environment, CALM's or not. vLLM's V1 runner and its
+Model Runner V2 each accept only a subclass of their own processor interface and build it with their own arguments,
+so `AlphaHeadLogitsProcessor` subclasses every interface this vLLM has and hands back the implementation for the runner
+that built it: adapters/vllm_alpha_v1.py (`(vllm_config, device, is_pin_memory)`) or adapters/vllm_alpha_v2.py
+(`(vllm_config, req_states)`). Both read adapters/alpha_heads.py: the same heads, the same opt-out and the same
+refusals (400s) on both runners.
 
-vLLM builds one instance per engine (worker process) and calls `apply` on the whole batch, so the engine's own head
-is loaded once, at construction, from the folder named by `additional_config["calm_artifact"]`, else
-$CALM_ARTIFACT. With `logprobs_mode` set to `processed_logprobs`, the log-probs vLLM returns are the calibrated ones.
-A request opts out with `extra_args={"calm_alpha": False}` (HTTP: `vllm_xargs`), or names another artifact *version*
-with `extra_args={"calm_head": "VERSION"}` (one engine serving several versions, e.g. vLLM multi-LoRA): the version
-is looked up in the registry folder ($CALM_REGISTRY_DIR or `additional_config["calm_registry"]`), its head's hash and
-vocabulary checked, and it is cached; anything else (a path, `..`, an unknown version) is refused with a 400 before
-the request reaches the engine.
-Written against vLLM 0.32's interface (pinned in pyproject); the interface moves between versions.
+A stock `vllm serve MODEL --logprobs-mode processed_logprobs --additional-config '{"calm_artifact": "/registry/V"}'`
+serves that version's head, with no CALM launcher. A request opts out with `extra_args={"calm_alpha": False}` (HTTP:
+`vllm_xargs`) or names another version with `extra_args={"calm_head": "VERSION"}`, looked up by name in the registry
+folder ($CALM_REGISTRY_DIR or `additional_config["calm_registry"]`); a path, `..`, an unknown version or a corrupted
+head is refused before the request reaches the engine.
+
+Never fatal to an engine that is not CALM's: without CALM configuration the processor changes nothing, and if CALM's
+own code fails to import here, an engine with no CALM configuration gets an inert processor (and a logged error),
+while one configured for CALM refuses to start and says why.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from pathlib import Path
 
-import torch
-from vllm import SamplingParams
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+logger = logging.getLogger(__name__)
 
-from adapters.vllm_common import (ARTIFACT_CONFIG_KEY, ARTIFACT_ENV, HEAD_ARG_KEY, OPT_OUT_KEY, additional_config,
-                                  resolve_version)
-from calm_core.artifact import MANIFEST_FILE, load_artifact
+_INTERFACES: list[type] = []  # the processor interfaces of the installed vLLM
+try:  # V1 runner's; removed in vLLM 0.34
+    from vllm.v1.sample.logits_processor import LogitsProcessor as V1Interface
 
+    _INTERFACES.append(V1Interface)
+except ImportError:
+    V1Interface = None
+try:  # Model Runner V2's; from vLLM 0.32
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2Interface
 
-_OFF = (False, 0, "0", "false", "off")
-_RAW = ""  # a row's head key: the request opted out (raw logits)
+    _INTERFACES.append(V2Interface)
+except ImportError:
+    V2Interface = None
 
+# CALM's implementation for each runner this vLLM has; where ours fails to import, why (see _Inert).
+_IMPLEMENTATIONS: dict[str, type] = {}
+IMPORT_ERRORS: dict[str, str] = {}
+if V1Interface is not None:
+    try:
+        from adapters.vllm_alpha_v1 import AlphaHeadV1
 
-def wants_alpha(params: SamplingParams) -> bool:
-    # HTTP's vllm_xargs carries no booleans, so 0 / "false" / "off" opt out as well as False.
-    return not (params.extra_args and params.extra_args.get(OPT_OUT_KEY, True) in _OFF)
+        _IMPLEMENTATIONS["v1"] = AlphaHeadV1
+    except Exception as e:  # noqa: BLE001 - any failure of our code must leave a foreign engine running
+        IMPORT_ERRORS["v1"] = f"{type(e).__name__}: {e}"
+if V2Interface is not None:
+    try:
+        from adapters.vllm_alpha_v2 import AlphaHeadV2
 
+        _IMPLEMENTATIONS["v2"] = AlphaHeadV2
+    except Exception as e:  # noqa: BLE001
+        IMPORT_ERRORS["v2"] = f"{type(e).__name__}: {e}"
+for _runner, _error in IMPORT_ERRORS.items():
+    logger.error("CALM's α-head plugin (%s runner) could not be imported (%s); engines with no CALM configuration are "
+                 "unaffected", _runner, _error)
 
-def head_key(params: SamplingParams) -> str | None:
-    """Which head a request wants: _RAW (none), an artifact version (`extra_args["calm_head"]`: several versions
-    served by one engine), or None for the engine's own head."""
-    if not wants_alpha(params):
-        return _RAW
-    return (params.extra_args or {}).get(HEAD_ARG_KEY) or None
-
-
-_INSTANCE = "_calm_alpha_processor"  # marks an engine's config once its processor exists
-
-
-_VERIFIED: set[tuple[Path, int]] = set()
-
-
-def _verify(folder: Path) -> None:
-    """The version loads and its head matches the hash in its manifest (once per folder and manifest write)."""
-    manifest = folder / MANIFEST_FILE
-    key = (folder, manifest.stat().st_mtime_ns if manifest.is_file() else 0)
-    if key not in _VERIFIED:
-        try:
-            load_artifact(folder)
-        except Exception as e:  # the request is refused (a 400), the engine is untouched
-            raise ValueError(f"extra_args[{HEAD_ARG_KEY!r}]: version {folder.name!r} does not load: {e}") from None
-        _VERIFIED.add(key)
+# What makes an engine CALM's (adapters/vllm_common.py's names, repeated so this module imports nothing of ours
+# before the guarded import above).
+_CALM_CONFIG_KEYS = ("calm_artifact", "calm_registry", "calm_core_share")
+_CALM_REQUEST_KEYS = ("calm_alpha", "calm_head")
 
 
-class AlphaHeadLogitsProcessor(LogitsProcessor):
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        self.extra = additional_config(vllm_config)
-        # Built once from the plugin entry point and once more when also named explicitly: only the first one acts.
-        self.active = not getattr(vllm_config, _INSTANCE, False)
-        if vllm_config is not None and self.active:
-            setattr(vllm_config, _INSTANCE, True)
-        path = self.extra.get(ARTIFACT_CONFIG_KEY) or os.environ.get(ARTIFACT_ENV)
-        self.vocab = vllm_config.model_config.get_vocab_size() if vllm_config is not None else None
-        self.device = device
-        self.artifact_version, self.scale, self.shift = None, None, None  # no head of its own: logits unchanged
-        if path and self.active:
-            loaded = load_artifact(path, expect_vocab_size=self.vocab)
-            self.artifact_version = loaded.manifest.artifact_version
-            self.scale, self.shift = self._tensors(loaded.head)
-        self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # named versions' heads, loaded on first use
-        self.rows: dict[int, str] = {}  # batch row -> its head key, for rows not on the engine's own head
+def _is_calm_engine(vllm_config) -> bool:
+    extra = getattr(vllm_config, "additional_config", None)
+    configured = isinstance(extra, dict) and any(k in extra for k in _CALM_CONFIG_KEYS)
+    return configured or bool(os.environ.get("CALM_ARTIFACT"))
 
-    def _tensors(self, head) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.as_tensor(head.scale, device=self.device), torch.as_tensor(head.shift, device=self.device)
 
-    def _head(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if key not in self._heads:
-            folder = resolve_version(key, self.extra)
-            self._heads[key] = self._tensors(load_artifact(folder, expect_vocab_size=self.vocab).head)
-        return self._heads[key]
+def _is_v2_call(runner_args: tuple) -> bool:
+    """V2 builds a processor from (vllm_config, req_states), V1 from (vllm_config, device, is_pin_memory)."""
+    return len(runner_args) == 1
 
-    @classmethod
-    def validate_params(cls, sampling_params: SamplingParams):
-        args = sampling_params.extra_args or {}
-        if OPT_OUT_KEY in args and args[OPT_OUT_KEY] not in (*_OFF, True, 1, "1", "true", "on"):
-            raise ValueError(f"extra_args[{OPT_OUT_KEY!r}] must be a boolean (or 0/1)")
-        if args.get(HEAD_ARG_KEY) is not None:
-            _verify(resolve_version(args[HEAD_ARG_KEY]))
+
+class _Inert:
+    """Leaves every logits row as it is, under either interface (only where CALM's code did not import)."""
+
+    def __init__(self, *_):
+        pass
 
     def is_argmax_invariant(self) -> bool:
-        # Per-token scales and shifts can change which token is most likely; the stand-aside instance changes nothing.
-        return not self.active
+        return True
 
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None or not self.active:
-            return
-        for index, params, _, _ in batch_update.added:
-            key = head_key(params)
-            if key is None:
-                self.rows.pop(index, None)
-            else:
-                self.rows[index] = key
-        for index in batch_update.removed:
-            self.rows.pop(index, None)
-        for a, b, direction in batch_update.moved:
-            a_key, b_key = self.rows.pop(a, None), self.rows.pop(b, None)
-            if a_key is not None:
-                self.rows[b] = a_key
-            if b_key is not None and direction == MoveDirectionality.SWAP:
-                self.rows[a] = b_key
+    def update_state(self, batch_update) -> None:
+        pass
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.active:
-            return logits
-        width = logits.shape[-1]
+    def add_request(self, req_idx, sampling_params) -> bool:
+        return False
 
-        def alpha(scale, shift, x):
-            if scale is None:  # no head of the engine's own
-                return x
-            # d ⊙ z + l (calm_core.alpha_head.apply_alpha) in one fused pass: half the time of a multiply, then an add
-            return torch.addcmul(shift[:width].to(x.dtype), x, scale[:width].to(x.dtype))
+    def apply_staged_writes(self) -> None:
+        pass
 
-        def head(key):
-            return (None, None) if key == _RAW else (self.scale, self.shift) if key is None else self._head(key)
-
-        # Each row's head key (None: the engine's own). A batch on one head (a gateway names its version in every
-        # request) takes one pass over it; only a mixed batch is split into groups of rows.
-        keys = [self.rows.get(row) for row in range(logits.shape[0])]
-        if len(set(keys)) <= 1:
-            return alpha(*head(keys[0] if keys else None), logits)
-        groups: dict[str | None, list[int]] = {}
-        for row, key in enumerate(keys):
-            groups.setdefault(key, []).append(row)
-        for key, members in groups.items():
-            if key != _RAW:
-                logits[members] = alpha(*head(key), logits[members])  # indexing copies the rows: groups are disjoint
+    def apply(self, logits, ctx=None):
         return logits
+
+
+_INERT = {"v1": type("InertAlphaHeadV1", (_Inert, V1Interface), {}) if V1Interface else None,
+          "v2": type("InertAlphaHeadV2", (_Inert, V2Interface), {}) if V2Interface else None}
+
+
+class AlphaHeadLogitsProcessor(*_INTERFACES):
+    """What both of vLLM's loaders accept; an instance is the runner's implementation (see the module's docstring)."""
+
+    def __new__(cls, vllm_config, *runner_args):
+        runner = "v2" if _is_v2_call(runner_args) else "v1"
+        if runner in _IMPLEMENTATIONS:
+            return _IMPLEMENTATIONS[runner](vllm_config, *runner_args)
+        if _is_calm_engine(vllm_config):
+            raise RuntimeError(f"CALM's α-head plugin could not be imported for vLLM's {runner} model runner "
+                               f"({IMPORT_ERRORS.get(runner)}); this engine is configured for CALM (calm_* in "
+                               "--additional-config or $CALM_ARTIFACT)")
+        return _INERT[runner](vllm_config, *runner_args)
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        # The front end validates for whichever runner the engine core uses; both implementations share one rule.
+        implementation = next(iter(_IMPLEMENTATIONS.values()), None)
+        if implementation is not None:
+            implementation.validate_params(sampling_params)
+        elif any(k in (sampling_params.extra_args or {}) for k in _CALM_REQUEST_KEYS):
+            raise ValueError(f"this engine cannot apply CALM heads: its plugin could not be imported ({IMPORT_ERRORS})")

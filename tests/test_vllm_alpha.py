@@ -57,7 +57,7 @@ def test_batch_updates_track_opt_outs(processor):
 
 
 def test_http_style_opt_out_values_and_validation(processor):
-    from adapters.vllm_alpha import wants_alpha
+    from adapters.alpha_heads import wants_alpha
 
     assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": 0}))
     assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": "false"}))
