@@ -56,6 +56,60 @@ def test_packed_cloze_scores_equal_separate_full_model_runs(embedded_model, shar
         torch.testing.assert_close(got[i, : q.n_options], expected[i], atol=1e-4, rtol=1e-4)
 
 
+def lora_gradients(model_dir, dtype: str, checkpointing: bool, prompts: list[str], labels: torch.Tensor):
+    """The LoRA gradients of one cross-entropy step of the top two layers, and the bytes autograd kept for it."""
+    from peft import LoraConfig, get_peft_model
+
+    from training.scoring import load_causal_lm, load_tokenizer
+    from training.top_layers import collate, enable_checkpointing, encode_prefix, last_logits
+
+    torch.manual_seed(0)  # the same LoRA initialisation for every variant
+    base = load_causal_lm(str(model_dir), dtype)
+    top = base.config.num_hidden_layers - 2
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            layers_to_transform=[top, top + 1], lora_dropout=0.0))
+    if checkpointing:
+        enable_checkpointing(model, top)
+    batch = collate(encode_prefix(model, load_tokenizer(str(model_dir)), prompts, top))
+    kept = []
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def keep(t):  # activations only: the weights a matmul keeps for its backward pass are no new memory
+        if t.untyped_storage().data_ptr() not in weights:
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logits = last_logits(model, batch, top, torch.arange(labels.max() + 1)).float()
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, sum(kept)
+
+
+def test_checkpointing_keeps_less_for_the_same_gradients_and_bf16_weights_train_alike(embedded_model_dir, shared_data):
+    """`gradient_checkpointing` and `dtype = "bfloat16"` (training/config.py), what a 7-8B model needs on one GPU:
+    the same step's LoRA gradients, with less kept for the backward pass; bf16 weights give gradients along the
+    same direction as float32's."""
+    from calm_core.data import load_mc
+
+    questions = load_mc("arc_easy", "dev", root=shared_data)[:4]
+    prompts = [q.question for q in questions]
+    labels = torch.tensor([q.answer for q in questions])
+    plain, plain_bytes = lora_gradients(embedded_model_dir, "float32", False, prompts, labels)
+    checkpointed, checkpointed_bytes = lora_gradients(embedded_model_dir, "float32", True, prompts, labels)
+    bf16, _ = lora_gradients(embedded_model_dir, "bfloat16", False, prompts, labels)
+    assert plain.keys() == checkpointed.keys() == bf16.keys() and len(plain) == 12  # A and B of 3 modules x 2 layers
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+    # A LoRA's B starts at zero, so the first step moves only B: its gradients are the ones to compare.
+    moving = [name for name in plain if plain[name].norm() > 0]
+    assert sorted(moving) == sorted(n for n in plain if "lora_B" in n)
+    for name in moving:
+        cosine = torch.nn.functional.cosine_similarity(bf16[name].flatten(), plain[name].flatten(), dim=0)
+        assert cosine > 0.98, (name, float(cosine))
+    assert checkpointed_bytes < 0.5 * plain_bytes, (checkpointed_bytes, plain_bytes)
+
+
 @pytest.mark.parametrize("answer_format", ["cloze", "letter"])
 def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, embedded_model_dir, answer_format):
     cfg = load_config(SMOKE, out_dir=str(tmp_path / "run"), steps=12, answer_format=answer_format)

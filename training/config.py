@@ -37,6 +37,13 @@ class TrainConfig(BaseModel):
     lora_targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora_top_layers: int = Field(4, gt=0)
 
+    # The frozen weights' dtype: bfloat16 halves their memory (what a 7-8B model needs on one GPU: docs/training.md);
+    # the LoRA adapter, the α head, the optimizer state and the losses stay float32.
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Recompute each trained layer's activations in the backward pass instead of keeping them: pays where many layers
+    # are trained on long prompts (benchmarks/bench_training_memory.py measures what it saves).
+    gradient_checkpointing: bool = False
+
     steps: int = Field(200, gt=0)
     batch_size: int = Field(8, gt=0)
     lr_theta: float = Field(5e-4, gt=0)

@@ -63,8 +63,10 @@ class OfflineEngine:
         vocab = model.get_output_embeddings().weight.shape[0]
         head = head if head is not None else AlphaHead.identity(vocab)
         head.check_vocab(vocab)
-        self.scale = torch.as_tensor(np.asarray(head.scale), dtype=torch.float32)
-        self.shift = torch.as_tensor(np.asarray(head.shift), dtype=torch.float32)
+        # Wherever the model is (a GPU in scripts/gpu_check.sh part a); the scores come back to the host.
+        self.device = next(model.parameters()).device
+        self.scale = torch.as_tensor(np.asarray(head.scale), dtype=torch.float32, device=self.device)
+        self.shift = torch.as_tensor(np.asarray(head.shift), dtype=torch.float32, device=self.device)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._pending: list[Pending] = []
         self._flushing = False
@@ -130,9 +132,9 @@ class OfflineEngine:
             layouts.append((prefix, pack_question(ClozeTokens(ids[0][:prefix], tuple(i[prefix:] for i in ids)))))
         packed = [q for _, q in layouts]
         stack, lm_head = decoder(self.model)
-        ids = pad_packed(packed, [q.input_ids for q in packed], 0)
-        segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT)
-        positions = pad_packed(packed, [q.positions for q in packed], 0)
+        ids = pad_packed(packed, [q.input_ids for q in packed], 0).to(self.device)
+        segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT).to(self.device)
+        positions = pad_packed(packed, [q.positions for q in packed], 0).to(self.device)
         hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(ids), packed_mask(segment), positions)
         deltas = []
         for row, (group, (prefix, _)) in enumerate(zip(groups, layouts)):
@@ -151,7 +153,7 @@ class OfflineEngine:
         for row, (_, ids) in enumerate(batch):  # right padding: a real position never sees a pad token
             input_ids[row, : len(ids)] = torch.tensor(ids)
             mask[row, : len(ids)] = 1
-        logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
+        logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
         deltas = [self._delta(request, ids, logits[row, : len(ids)]) for row, (request, ids) in enumerate(batch)]
         return deltas
 
@@ -167,7 +169,7 @@ class OfflineEngine:
         prompt_lps = None
         if request.prompt_logprobs:
             body = self.scale * logits[:-1] + self.shift if request.folded else logits[:-1]
-            picked = torch.log_softmax(body, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+            picked = torch.log_softmax(body, -1).gather(1, torch.tensor(ids[1:], device=self.device)[:, None]).squeeze(1)
             prompt_lps = [math.nan] + [float(v) for v in picked]
         return EngineDelta(text=self.tokenizer.decode([token]), token_ids=[token], token_logprobs=[top[token]],
                            top_logprobs=[top], finish_reason="length", prompt_tokens=len(ids), prompt_logprobs=prompt_lps)

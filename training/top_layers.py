@@ -89,3 +89,12 @@ def last_logits(model, batch: PrefixBatch, first_trained: int, token_ids: torch.
     if token_ids is None:
         return lm_head(last)
     return last @ lm_head.weight[token_ids].T
+
+
+def enable_checkpointing(model, first_trained: int) -> None:
+    """The trained layers recompute their activations in the backward pass (transformers' own per-layer checkpointing,
+    which applies to a layer in training mode; Llama-like layers have no dropout, so the mode changes nothing else)."""
+    stack, _ = decoder(model)
+    stack.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in stack.layers[first_trained:]:
+        layer.train()

@@ -41,6 +41,7 @@ from training.generative import answer_nll, gold_target, greedy_targets
 from training.methods import METHODS
 from training.objectives import mask_options
 from training.scoring import load_causal_lm, load_tokenizer
+from training.top_layers import enable_checkpointing
 
 log = logging.getLogger("calm.train")
 CHECKPOINT = "checkpoint.pt"
@@ -70,15 +71,17 @@ class Trainer:
         _seed_everything(cfg.seed)
         self.resolved = resolve_model(cfg.model)
         self.tokenizer = load_tokenizer(self.resolved.path)
-        self.model = self._lora_model(load_causal_lm(self.resolved.path)).to(self.device)
+        self.model = self._lora_model(load_causal_lm(self.resolved.path, cfg.dtype)).to(self.device)
         self.first_trained = self.model.get_base_model().config.num_hidden_layers - cfg.lora_top_layers
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(self.model, self.first_trained)
         self.split = materialize(load_split(cfg.split))
         if self.split.config.open_ended != (cfg.answer_format == "generative"):
             raise ConfigError(f"split {cfg.split} is {'open-ended' if self.split.config.open_ended else 'multiple choice'}"
                               f"; answer_format {cfg.answer_format!r} does not fit it (open-ended splits need 'generative')")
         self.fmt = answer_format(cfg.answer_format, self.tokenizer, self._answer_targets() if self.split.config.open_ended else None)
         self.sets = encode_sets(self.model, self.tokenizer, self.split, self.first_trained,
-                                model_weights_sha256(self.resolved), calm_home() / "cache", self.fmt,
+                                self.weights_id, calm_home() / "cache", self.fmt,
                                 cfg.encode_batch_size)
         self.train_set = concat(list(self.sets["train"].values()), "train")
         self.calib_set = concat(list(self.sets["calibration"].values()), "calibration")
@@ -97,6 +100,12 @@ class Trainer:
         self.calib_stream = BatchStream(self.calib_set, cfg.batch_size, cfg.seed + 1 + 7919 * rank)
         self.cft_bins = self._initial_bin_accuracy() if cfg.method == "cft" else None
         return self
+
+    @property
+    def weights_id(self) -> str:
+        """What cached encodings are keyed by: the weights, and their dtype where it is not float32."""
+        digest = model_weights_sha256(self.resolved)
+        return digest if self.cfg.dtype == "float32" else f"{digest}-{self.cfg.dtype}"
 
     def _init_from(self, path: Path) -> None:
         """θ and α from an artifact (its adapter and head), refused unless its LoRA has this config's shape."""
@@ -130,7 +139,7 @@ class Trainer:
                    for q in self.split.role(role)}
         with self.model.disable_adapter():
             targets.update(greedy_targets(self.model, self.tokenizer, self.split.role("calibration"),
-                                          calm_home() / "cache", model_weights_sha256(self.resolved)))
+                                          calm_home() / "cache", self.weights_id))
         return targets
 
     def _lora_model(self, model):
