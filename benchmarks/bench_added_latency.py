@@ -79,7 +79,8 @@ def variants(tokenizer, question: str, head: str) -> dict[str, tuple[str, dict]]
     request = EngineRequest("bench", prompt="", prompt_token_ids=tuple(ids), max_tokens=MAX_TOKENS, temperature=0.0,
                             top_logprobs=TOP)
     with_head = _payload(MODEL, head, request, stream=False)
-    as_text = replace(request, prompt=render_chat(tokenizer, messages), prompt_token_ids=())
+    # The gateway draws a free-form answer without the head (its confidence is read back through it afterwards).
+    as_text = replace(request, prompt=render_chat(tokenizer, messages), prompt_token_ids=(), calibrated=False)
     text, streamed = (_payload(MODEL, head, as_text, stream=stream) for stream in (False, True))
     gateway = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
     return {"chat+logprobs": ("/v1/chat/completions", chat), "completions-ids": ("/v1/completions", plain),

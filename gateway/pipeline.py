@@ -293,7 +293,7 @@ class CalibratedService:
 
     async def _token_chunks(self, ctx: RequestContext, deltas: list) -> AsyncIterator[str]:
         started = set()
-        async for delta in self.engine.stream(ctx.job.request):
+        async for delta in self.engine.stream(ctx.scorer.generation(ctx.job)):
             deltas.append(delta)
             if delta.text or delta.token_ids:
                 positions = partial(self.positions, delta)

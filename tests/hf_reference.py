@@ -44,8 +44,9 @@ def option_tolerances(gateway_url: str) -> tuple[float, float]:
 
 
 def greedy_free_form(model, tokenizer, question: str, scale, shift, max_tokens: int = 48):
-    """A free-form answer as the engine serves it: greedy under the calibrated distribution (HF's KV cache), as
-    (answer token ids, calibrated log-probs, raw log-probs), end-of-turn token included."""
+    """A free-form answer as the gateway serves it: greedy under the served weights' own distribution (the head only
+    scores it; HF's KV cache), as (answer token ids, calibrated log-probs, raw log-probs), end-of-turn token
+    included."""
     from training.generative import encode_text, free_form_prompt
 
     scale, shift = torch.as_tensor(scale), torch.as_tensor(shift)
@@ -55,12 +56,26 @@ def greedy_free_form(model, tokenizer, question: str, scale, shift, max_tokens: 
         out = model(input_ids=torch.tensor([ids]), use_cache=True)
         for _ in range(max_tokens):
             z = out.logits[0, -1].float()
-            logp = torch.log_softmax(z * scale + shift, -1)
-            token = int(logp.argmax())
+            logp, own = torch.log_softmax(z * scale + shift, -1), torch.log_softmax(z, -1)
+            token = int(own.argmax())
             calibrated.append(float(logp[token]))
-            raw.append(float(torch.log_softmax(z, -1)[token]))
+            raw.append(float(own[token]))
             ids.append(token)
             if token == tokenizer.eos_token_id:
                 break
             out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return ids[len(prompt):], calibrated, raw
+
+
+def free_form_logprobs(model, tokenizer, question: str, answer: list[int], scale, shift,
+                       temperature: float = 1.0) -> tuple[list[float], list[float]]:
+    """A given answer's tokens read back (teacher forcing): (calibrated log-probs at temperature 1, the weights' own
+    log-probs at `temperature`)."""
+    from training.generative import encode_text, free_form_prompt
+
+    prompt = list(encode_text(tokenizer, free_form_prompt(tokenizer, question)))
+    with torch.no_grad():
+        z = model(input_ids=torch.tensor([prompt + list(answer)])).logits[0, len(prompt) - 1 : -1].float()
+    target = torch.tensor(answer)[:, None]
+    calibrated = torch.log_softmax(z * torch.as_tensor(scale) + torch.as_tensor(shift), -1).gather(1, target)[:, 0]
+    return calibrated.tolist(), torch.log_softmax(z / temperature, -1).gather(1, target)[:, 0].tolist()

@@ -25,7 +25,7 @@ class NamingEngine(FailingEngine):
     def describe(self) -> dict:
         return {"kind": "naming"}
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta, EngineRejected
 
         self.prompts.append(request.prompt)

@@ -137,7 +137,7 @@ class WaitingEngine(QuietEngine):
         super().__init__()
         self.first, self.waiting, self.cancelled = first, asyncio.Event(), asyncio.Event()
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         for _ in range(self.first):

@@ -189,8 +189,8 @@ PLAIN = {"What is the capital of France?": "Paris", "What is the capital of Japa
 def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client, free_form_model, shared_data):
     """A free-form answer's confidence is the geometric mean of its tokens' calibrated probabilities under the
     free-form mode (adapter + α head), end-of-turn token included; raw_confidence the same without the head. Both
-    equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included; plain
-    prompts keep a correct answer."""
+    equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included (the
+    served weights' own, as drawn); plain prompts keep a correct answer."""
     from calm_core.data import load_open
     from tests.hf_reference import greedy_free_form
 
@@ -205,13 +205,64 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
         answer, calibrated, raw = greedy_free_form(model, tokenizer, question, head.scale, head.shift)
         assert choice.message.content == tokenizer.decode(answer, skip_special_tokens=True)
         served = [t.logprob for t in choice.logprobs.content]
-        np.testing.assert_allclose(served, calibrated[: len(served)], atol=1e-3)
+        np.testing.assert_allclose(served, raw[: len(served)], atol=1e-3)
         assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(calibrated))), abs=1e-3)
         assert cal["raw_confidence"] == pytest.approx(float(np.exp(np.mean(raw))), abs=1e-3)
         moved += abs(cal["confidence"] - cal["raw_confidence"]) > 0.01
         if question in PLAIN:
             assert PLAIN[question] in choice.message.content
     assert moved >= 3  # the free-form head changes the confidence inside the engine
+
+
+def test_a_free_form_answers_confidence_is_the_same_however_it_was_sampled(client, gateway):
+    """The same answer gets the same confidence (1e-6) greedy, at temperature 0.3, with top_p 0.01 and with top_k 1,
+    and a threshold policy decides the same for all: no sampling parameter can walk an answer past it (on the
+    previous path the answer below got 0.39, 0.83, 1.0 and 1.0). Multiple-choice confidence ignores them too."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    sampling = [{}, {"temperature": 0.3, "seed": 1}, {"temperature": 1.0, "top_p": 0.01, "seed": 1},
+                {"temperature": 1.0, "seed": 1, "extra_body": {"top_k": 1}}]
+    ask = lambda: [client.chat.completions.create(model=MODEL, messages=question, max_tokens=24, **s).choices[0]  # noqa: E731
+                   for s in sampling]
+    choices = ask()
+    answers = {c.message.content for c in choices}
+    confidences = [calibration(c)["confidence"] for c in choices]
+    assert len(answers) == 1 and "Paris" in answers.pop()
+    assert max(confidences) - min(confidences) < 1e-6 and confidences[0] < 0.9, confidences
+    admin = {"Authorization": "Bearer dev-admin-key"}
+    policy = httpx.put(f"{gateway}/admin/policies/other", json={"threshold": 0.9, "action": "abstain"}, headers=admin)
+    assert policy.status_code == 200, policy.text
+    try:
+        assert all(calibration(c)["abstained"] for c in ask())
+    finally:
+        assert httpx.delete(f"{gateway}/admin/policies/other", headers=admin).status_code in (200, 204)
+    options = {"options": ["Paris", "Lyon", "Nice", "Lille"]}
+    mc = [calibration(client.chat.completions.create(model=MODEL, messages=question, extra_body=options, **t
+                                                     ).choices[0])["confidence"]
+          for t in ({}, {"temperature": 0.3, "seed": 1}, {"temperature": 1.5, "seed": 2})]
+    assert max(mc) - min(mc) < 1e-6, mc
+
+
+def test_sampled_answers_are_the_models_own_draws_each_with_the_confidence_its_text_gets(client, free_form_model):
+    """At temperature 0.8 the answers are drawn from the served weights without the head (the head flattens on purpose,
+    and drawing through it gave noise): the log-probs each token was drawn with are the weights' own at 0.8 (HF
+    teacher forcing, 1e-3), the same seed giving the same texts; each answer's confidence is its own text's, read back
+    through the head at temperature 1 (1e-3)."""
+    from tests.hf_reference import free_form_logprobs
+
+    model, tokenizer, head = free_form_model
+    question = "What is the capital of France?"
+    ask = lambda: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=24, temperature=0.8, n=4, seed=7,
+        logprobs=True).choices
+    first, again = ask(), ask()
+    assert [c.message.content for c in first] == [c.message.content for c in again]
+    for choice in first:
+        ids = tokenizer(choice.message.content, add_special_tokens=False).input_ids
+        ids += [tokenizer.eos_token_id] * (choice.finish_reason == "stop")  # the end of turn counts as a token
+        assert len(ids) == len(choice.logprobs.content), choice.message.content
+        calibrated, drawn = free_form_logprobs(model, tokenizer, question, ids, head.scale, head.shift, 0.8)
+        assert calibration(choice)["confidence"] == pytest.approx(float(np.exp(np.mean(calibrated))), abs=1e-3)
+        np.testing.assert_allclose([t.logprob for t in choice.logprobs.content], drawn, atol=1e-3)
 
 
 def test_semantic_confidence_keeps_the_greedy_answer_and_maps_the_share_of_agreeing_samples(client, shipped_artifact):

@@ -23,11 +23,11 @@ class TiringEngine(LetterEngine):
         super().__init__()
         self.left = answers
 
-    async def stream(self, request):
+    async def draw(self, request):
         self.left -= 1
         if self.left < 0:
             raise EngineUnavailable("upstream http://127.0.0.1:8001 timed out")
-        async for delta in super().stream(request):
+        async for delta in super().draw(request):
             yield delta
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -272,13 +273,30 @@ def test_one_table_classifies_errors_for_handlers_metrics_and_streams():
 
 
 class FailingEngine:
-    """Streams one token, then fails with the given exception."""
+    """Streams one token, then fails with the given exception.
+
+    Its subclasses write `draw` (what a request generates); `stream` also answers the scorer's read-back of a free-form
+    answer (one greedy token per answer position, calm_core/scorers/free_form.py) with the log-prob its draw gave that
+    token, so a fake's answer has the confidence its draw says."""
 
     model_name, artifact_version, max_model_len, folded_scoring = "m", "test-v1", 2048, False
     free_form_mode = prompt_logprobs = False
 
     def __init__(self, exc: BaseException | None):
         self.exc = exc
+        self.drawn: dict[tuple[str, int], list[tuple[int, float]]] = {}  # (request id, choice) -> (token, log-prob)
+
+    async def stream(self, request):
+        from calm_core.engine import EngineDelta
+
+        read = re.fullmatch(r"(.+)-read(\d+)-(\d+)", request.request_id)
+        if read is not None:
+            token, lp = self.drawn[(read[1], int(read[2]))][int(read[3])]
+            yield EngineDelta(text="", token_ids=[token], token_logprobs=[lp], top_logprobs=[{token: lp}])
+            return
+        async for delta in self.draw(request):
+            self.drawn.setdefault((request.request_id, delta.index), []).extend(zip(delta.token_ids, delta.token_logprobs))
+            yield delta
 
     async def start(self): ...
 
@@ -288,7 +306,7 @@ class FailingEngine:
 
     async def check_health(self): ...
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         yield EngineDelta(text="Hi", token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}], prompt_tokens=3)
@@ -403,7 +421,7 @@ class LetterEngine(FailingEngine):
     def __init__(self):
         super().__init__(None)
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         a, b = request.option_token_ids[:2]
@@ -411,7 +429,7 @@ class LetterEngine(FailingEngine):
                           top_logprobs=[{a: math.log(0.7), b: math.log(0.3)}], prompt_tokens=3)
 
 
-def science_app(tmp_path, engine):
+def science_app(tmp_path, engine, **settings):
     """The app on a scripted engine, serving an artifact whose one reference domain is "science"."""
     from calm_core.artifact import ArtifactManifest, ReferenceHistogram
     from gateway.app import create_app
@@ -422,8 +440,8 @@ def science_app(tmp_path, engine):
         reference_histograms={"science": ReferenceHistogram(bin_edges=edges, counts=[0] * 6 + [10, 0, 0, 0])},
         answer_format="letter", applies_to="all", has_adapter=False, artifact_version="test-v1")
     artifact = _stub_artifact(manifest)
-    return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m"), engine, _tiny_tokenizer(),
-                      artifact)
+    return create_app(GatewaySettings(db_path=tmp_path / "g.db", served_model_name="m", **settings), engine,
+                      _tiny_tokenizer(), artifact)
 
 
 def test_uploaded_labelled_questions_are_scored_as_served_and_become_labels(tmp_path):
@@ -462,7 +480,7 @@ class SamplingEngine(FailingEngine):
         super().__init__(None)
         self.requests = []
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         self.requests.append(request)
@@ -497,7 +515,7 @@ def test_semantic_confidence_keeps_the_token_answer_and_is_the_share_of_raw_samp
         assert [(c["answer"], c["size"]) for c in cal["clusters"]] == [("It is Paris.", 3), ("London", 2), ("Rome", 1)]
         assert r["usage"]["completion_tokens"] == 1 + 6  # the answer and every sample were generated
         answer, sampled = engine.requests[-2:]
-        assert answer.n == 1 and answer.calibrated  # generated as in token mode
+        assert answer.n == 1 and not answer.calibrated  # drawn as in token mode: the served weights, head off
         assert sampled.n == 6 and not sampled.calibrated and sampled.temperature == SAMPLE_TEMPERATURE
         assert token["calibration"]["method"] == "token" and token["calibration"]["clusters"] is None
         two = client.post("/v1/chat/completions", json={**body, "n": 2, "temperature": 1.0,
@@ -573,7 +591,7 @@ class FreeFormModeEngine(FailingEngine):
     def describe(self) -> dict:
         return {"kind": "fake"}
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         self.requests.append(request)
@@ -587,8 +605,8 @@ class FreeFormModeEngine(FailingEngine):
 
 
 def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_from_prompt_logprobs(tmp_path):
-    """An artifact fitted to multiple choice that carries a free-form mode: free-form requests go to that mode
-    calibrated (not the multiple-choice adapter); raw confidence is the same answer's prompt log-probs without the
+    """An artifact fitted to multiple choice that carries a free-form mode: free-form answers are drawn on that mode's
+    weights and read back through its head (not the multiple-choice adapter); raw confidence is the same answer's prompt log-probs without the
     head; multiple-choice requests keep the multiple-choice weights."""
     from fastapi.testclient import TestClient
 
@@ -609,8 +627,8 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
         assert r.status_code == 200, r.text
         cal = r.json()["choices"][0]["calibration"]
         assert cal["confidence"] == pytest.approx(math.exp(-0.2)) and cal["raw_confidence"] == pytest.approx(math.exp(-0.5))
-        answer, raw = engine.requests
-        assert answer.free_form and answer.calibrated and not answer.adapter
+        answer, raw = engine.requests  # (the read-back of each answer token is answered from the draw, unrecorded)
+        assert answer.free_form and not answer.calibrated and not answer.adapter
         assert raw.free_form and not raw.calibrated and raw.prompt_logprobs and raw.prompt_token_ids[-2:] == (7, 8)
         health = client.get("/health").json()
         assert "free-form mode ff-v1: its adapter merged" in health["scoring"]["free_form"]

@@ -25,7 +25,7 @@ class HeldEngine(FailingEngine):
     def describe(self) -> dict:
         return {"kind": "held"}
 
-    async def stream(self, request):
+    async def draw(self, request):
         from calm_core.engine import EngineDelta
 
         try:

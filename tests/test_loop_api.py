@@ -41,11 +41,11 @@ class VersionEngine(LetterEngine):
         self.hold = threading.Event()
         self.closed = False
 
-    async def stream(self, request):
+    async def draw(self, request):
         while self.hold.is_set():
             await asyncio.sleep(0.01)
         # Multiple choice as LetterEngine; free form one token ("Hi"), as FailingEngine without its failure.
-        stream = super().stream if request.option_token_ids else super(LetterEngine, self).stream
+        stream = super().draw if request.option_token_ids else super(LetterEngine, self).draw
         async for delta in stream(request):
             yield delta
 

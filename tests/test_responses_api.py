@@ -24,7 +24,7 @@ class ScriptedEngine(FailingEngine):
     def describe(self) -> dict:
         return {"kind": "scripted"}
 
-    async def stream(self, request):
+    async def draw(self, request):
         self.prompts.append(request.prompt)
         cut = request.max_tokens < 2
         yield EngineDelta(text="Hi", token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}], prompt_tokens=5,

@@ -130,39 +130,65 @@ def free_job(samples=0, **request):
                       samples=samples)
 
 
-def test_token_scorer_is_the_geometric_mean_probability_with_raw_from_prompt_log_probs():
-    def answer(request):
-        if request.prompt_logprobs:  # the raw pass: the answer's tokens read as prompt, -0.5 each
-            return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
-        return [EngineDelta(text="Paris", token_ids=[5, 6], token_logprobs=[-0.1, -0.3],
-                            top_logprobs=[{5: -0.1, 9: -2.4}, {6: -0.3}], prompt_tokens=4, finish_reason="stop")]
+# Read back through the head at each position of the answer "Paris" (tokens 5, 6): the calibrated top-k there.
+READ = [{5: -0.2, 9: -1.9}, {3: -0.1, 4: -2.5}]  # token 6 is not in position 1's top-k: asked for by id
+ASKED = {6: -2.0}
 
+
+def free_answer(request, prompt_len: int):
+    """Generation: "Paris" with the sampler's own log-probs. Read-back (one greedy token after the prompt and k answer
+    tokens): READ[k], or ASKED for a token asked by id. The raw pass (prompt log-probs): -0.5 a token."""
+    if request.prompt_logprobs:
+        return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
+    if request.prompt_token_ids:
+        top = {t: ASKED[t] for t in request.option_token_ids} or READ[len(request.prompt_token_ids) - prompt_len]
+        token = next(iter(top))
+        return [EngineDelta(text="x", token_ids=[token], token_logprobs=[top[token]], top_logprobs=[top])]
+    return [EngineDelta(text="Paris", token_ids=[5, 6], token_logprobs=[-0.1, -0.3],
+                        top_logprobs=[{5: -0.1, 9: -2.4}, {6: -0.3}], prompt_tokens=4, finish_reason="stop")]
+
+
+def test_token_scorer_draws_without_the_head_and_reads_the_answer_back_through_it():
+    """An answer is the served weights' own draw under the caller's sampling parameters (head off); its confidence is
+    the geometric mean of its tokens' probabilities read back one greedy token at a time through the version's
+    calibration, whatever temperature or truncation drew it; raw confidence from prompt log-probs without the head."""
     tokenizer = _tiny_tokenizer()
-    engine = Scripted(answer, prompt_logprobs=True)
-    scoring = run(TokenScorer(engine, tokenizer), ScoringJob(free_job().prompt, free_job().request, with_raw=True))
-    (choice,) = scoring.choices
-    assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp(-0.2))
-    assert choice.raw_confidence == pytest.approx(math.exp(-0.5)) and choice.completion_tokens == 2
-    raw = engine.requests[-1]
-    assert raw.prompt_token_ids[-2:] == (5, 6) and not raw.calibrated and raw.max_tokens == 1
-    assert scoring.method is ConfidenceMethod.TOKEN and scoring.kind is AnswerKind.FREE_FORM
-    without = Scripted(answer)  # an engine without prompt log-probs: raw confidence stays unknown
-    assert run(TokenScorer(without, tokenizer), ScoringJob(free_job().prompt, free_job().request, with_raw=True)
-               ).choices[0].raw_confidence is None and len(without.requests) == 1
+    prompt_len = len(tokenizer.encode("<q>", add_special_tokens=False))
+    confidences = set()
+    for sampling in ({}, {"temperature": 0.3}, {"temperature": 1.0, "top_p": 0.01}, {"temperature": 0.8, "top_k": 1}):
+        engine = Scripted(lambda r: free_answer(r, prompt_len), prompt_logprobs=True)
+        job = free_job(**sampling)
+        scoring = run(TokenScorer(engine, tokenizer), ScoringJob(job.prompt, job.request, with_raw=True))
+        (choice,) = scoring.choices
+        confidences.add(choice.confidence)
+        assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp((-0.2 - 2.0) / 2))
+        assert choice.calibrated_logprobs == [-0.2, -2.0] and choice.output.token_logprobs == [-0.1, -0.3]
+        assert choice.raw_confidence == pytest.approx(math.exp(-0.5)) and choice.completion_tokens == 2
+        generation, *reads = engine.requests
+        assert generation == replace(job.request, calibrated=False)  # the caller's parameters, head off
+        raw = next(r for r in reads if r.prompt_logprobs)
+        assert raw.prompt_token_ids[-2:] == (5, 6) and not raw.calibrated and raw.max_tokens == 1
+        reads = [r for r in reads if not r.prompt_logprobs]
+        assert [r.prompt_token_ids[prompt_len:] for r in reads] == [(), (5,), (5,)]  # position 1 asked again, by id
+        assert [r.option_token_ids for r in reads] == [(), (), (6,)] and not reads[2].restrict_to_options
+        assert all(r.calibrated and r.temperature == 0.0 and r.top_p == 1.0 and r.top_k == 0 and r.max_tokens == 1
+                   for r in reads)
+        assert scoring.method is ConfidenceMethod.TOKEN and scoring.kind is AnswerKind.FREE_FORM
+    assert len(confidences) == 1
+    without = Scripted(lambda r: free_answer(r, prompt_len))  # no prompt log-probs: raw confidence stays unknown
+    job = free_job()
+    assert run(TokenScorer(without, tokenizer), ScoringJob(job.prompt, job.request, with_raw=True)
+               ).choices[0].raw_confidence is None and not any(r.prompt_logprobs for r in without.requests)
 
 
 def test_a_recalibrated_free_form_modes_temperature_divides_the_mean_log_prob_and_leaves_raw_and_the_answer_alone():
-    def answer(request):
-        if request.prompt_logprobs:
-            return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
-        return [EngineDelta(text="Paris", token_ids=[5, 6], token_logprobs=[-0.1, -0.3],
-                            top_logprobs=[{5: -0.1}, {6: -0.3}], prompt_tokens=4, finish_reason="stop")]
-
+    tokenizer = _tiny_tokenizer()
+    prompt_len = len(tokenizer.encode("<q>", add_special_tokens=False))
     job = ScoringJob(free_job().prompt, free_job().request, with_raw=True)
     for temperature in (0.5, 2.0):
-        scorer = TokenScorer(Scripted(answer, prompt_logprobs=True), _tiny_tokenizer(), PostHoc(token_temperature=temperature))
-        (choice,) = run(scorer, job).choices
-        assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp(-0.2 / temperature))
+        engine = Scripted(lambda r: free_answer(r, prompt_len), prompt_logprobs=True)
+        (choice,) = run(TokenScorer(engine, tokenizer, PostHoc(token_temperature=temperature)), job).choices
+        assert choice.text == "Paris" and choice.confidence == pytest.approx(math.exp(-2.2 / 2 / temperature))
         assert choice.raw_confidence == pytest.approx(math.exp(-0.5))  # the raw model's number is not remapped
 
 
@@ -182,7 +208,7 @@ def test_semantic_scorer_keeps_the_token_answer_and_measures_agreement_on_raw_sa
     scoring = run(SemanticScorer(engine, None, PostHoc(semantic=calibration)), ScoringJob(job.prompt, job.request, with_raw=True,
                                                                        samples=4))
     answer_request, sampled = engine.requests
-    assert answer_request == job.request  # exactly the token scorer's request
+    assert answer_request == replace(job.request, calibrated=False)  # exactly the token scorer's draw
     assert sampled.n == 4 and sampled.temperature == 0.5 and not sampled.calibrated  # raw weights, moderate T
     assert sampled.max_tokens == min(job.request.max_tokens, 4)
     (choice,) = scoring.choices
@@ -218,7 +244,7 @@ def test_semantic_samples_are_seeded_by_the_question_unless_the_caller_seeds_the
 
 def test_semantic_scorer_scores_each_of_n_answers_against_the_same_samples():
     def answer(request):
-        if request.calibrated:
+        if request.request_id == "r":  # the answers (the samples' request has an id of its own)
             return [EngineDelta(text=["Paris", "Lyon"][i], token_ids=[7], token_logprobs=[-0.1], top_logprobs=[{7: -0.1}],
                                 prompt_tokens=3, index=i, finish_reason="stop") for i in range(request.n)]
         return [EngineDelta(text="Paris", token_ids=[7], token_logprobs=[-0.5], top_logprobs=[{7: -0.5}],

@@ -90,7 +90,7 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
     async def greedy(i: int, q: OpenQuestion) -> FreeFormRecord:
         c = (await token.score(replace(job(i, q), with_raw=False))).choices[0]
         greedy_done.step()
-        lps = c.output.token_logprobs
+        lps = c.calibrated_logprobs
         return FreeFormRecord(q.id, serving_domain(q), c.text, is_correct(c.text, q.answers, q.question),
                               c.confidence, float(math.exp(sum(lps))), len(lps))
 

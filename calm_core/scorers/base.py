@@ -76,6 +76,8 @@ class ScoredChoice:
     chosen: int | None = None  # multiple choice: the chosen option's index
     clusters: list[tuple[str, int]] | None = None  # semantic: each cluster's representative answer and size
     output: EngineOutput | None = None  # free form: the engine's output (token log-probs for the wire)
+    # free form: each answer token's log-prob read back under the version's calibration (temperature 1, untruncated)
+    calibrated_logprobs: list[float] | None = None
 
 
 @dataclass

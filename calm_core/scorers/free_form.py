@@ -1,15 +1,19 @@
 """Free-form scorers: token confidence of the generated answer, and semantic confidence of the same answer from how
 many sampled answers agree with it (calm_core/semantic.py says why the samples are drawn without the head).
 
-Token confidence is calm_core/scoring.py's `sequence_confidence` of the answer's calibrated token log-probs; its raw
-counterpart reads the same answer's prompt log-probs on the same weights (one prefill, taken before logits
-processors), so it needs an engine that returns prompt log-probs.
+An answer is drawn from the served weights' own distribution (α head off) with the caller's sampling parameters, as
+vLLM would draw it; its confidence is read back through the version's calibration at temperature 1 with no
+truncation (`read_back`), so the same answer gets the same confidence however it was sampled, and no sampling
+parameter can move a policy's decision. Token confidence is calm_core/scoring.py's `sequence_confidence` of those
+read-back log-probs; its raw counterpart reads the same answer's prompt log-probs on the same weights (one prefill,
+taken before logits processors), so it needs an engine that returns prompt log-probs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import replace
 from typing import ClassVar
 
 from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
@@ -20,6 +24,41 @@ from calm_core.scoring import sequence_confidence, topk_entropy
 from calm_core.semantic import SemanticCalibration
 
 AGREES = 0.5  # a sample says the same as an answer when half its new words do (word F1 of what the prompt did not say)
+
+
+READ_TOP_K = 5  # top-k log-probs read back per answer token: the entropy beside the confidence
+
+
+def answer_request(request: EngineRequest) -> EngineRequest:
+    """The request that draws free-form answers: the served weights with the α head off, the caller's sampling
+    parameters unchanged (greedy where none were given)."""
+    return replace(request, calibrated=False)
+
+
+def prompt_ids(request: EngineRequest, tokenizer) -> list[int]:
+    return list(request.prompt_token_ids) or tokenizer.encode(request.prompt, add_special_tokens=False)
+
+
+async def read_back(engine: EngineClient, prompt: list[int], request: EngineRequest, out: EngineOutput,
+                    index: int = 0) -> tuple[list[float], list[dict[int, float]]]:
+    """Each answer token's log-prob, and the top-k there, under the version's calibration (`request.calibrated`) at
+    temperature 1 with no truncation: one greedy one-token request per answer token, its prompt the question and the
+    answer's tokens before it (sharing the engine's prefix cache), so none of the caller's sampling parameters reach
+    the numbers. A token outside its position's top-k is asked for by id in a second request."""
+    def at(i: int, **asked) -> EngineRequest:
+        return EngineRequest(request_id=f"{request.request_id}-read{index}-{i}", prompt="", max_tokens=1,
+                             prompt_token_ids=tuple(prompt + out.token_ids[:i]), calibrated=request.calibrated,
+                             adapter=request.adapter, free_form=request.free_form, **asked)
+
+    tops = [o.top_logprobs[0] if o.top_logprobs else {} for o in await asyncio.gather(
+        *(generate(engine, at(i, top_logprobs=READ_TOP_K)) for i in range(len(out.token_ids))))]
+    missing = [i for i, token in enumerate(out.token_ids) if token not in tops[i]]
+    asked = await asyncio.gather(*(generate(engine, at(i, option_token_ids=(out.token_ids[i],),
+                                                       restrict_to_options=False)) for i in missing))
+    found = {i: o.top_logprobs[0].get(out.token_ids[i]) if o.top_logprobs else None for i, o in zip(missing, asked)}
+    if None in found.values():
+        raise EngineUnavailable("the engine returned no log-prob for an answer token asked for by id")
+    return [found[i] if i in found else tops[i][t] for i, t in enumerate(out.token_ids)], tops
 
 
 class TokenScorer:
@@ -33,17 +72,26 @@ class TokenScorer:
         self.tokenizer = tokenizer
         self.token_temperature = post_hoc.token_temperature
 
+    def generation(self, job: ScoringJob) -> EngineRequest:
+        """What the answers are drawn with (the streamed path sends it itself and hands the outputs to `read`)."""
+        return answer_request(job.request)
+
     async def score(self, job: ScoringJob) -> Scoring:
-        return await self.read(job, await generate_choices(self.engine, job.request))
+        return await self.read(job, await generate_choices(self.engine, self.generation(job)))
 
     async def read(self, job: ScoringJob, outs: list[EngineOutput]) -> Scoring:
-        """The scoring of outputs already generated (the streamed path collects them from its deltas)."""
+        """The scoring of outputs already generated: each read back through the version's calibration, and without
+        it where the raw confidence is wanted."""
+        prompt = prompt_ids(job.request, self.tokenizer)
+        readings = asyncio.gather(*(read_back(self.engine, prompt, job.request, o, i) for i, o in enumerate(outs)))
         if job.with_raw and self.engine.prompt_logprobs:
-            raws = await asyncio.gather(*(self.raw_confidence(o, job.request, i) for i, o in enumerate(outs)))
+            raws = asyncio.gather(*(self.raw_confidence(o, job.request, i) for i, o in enumerate(outs)))
+            readings, raws = await asyncio.gather(readings, raws)
         else:
-            raws = [None] * len(outs)
-        choices = [ScoredChoice(o.text, o.finish_reason, float(powered(sequence_confidence(o.token_logprobs), self.token_temperature)), raw,
-                                topk_entropy(o.top_logprobs), len(o.token_ids), output=o) for o, raw in zip(outs, raws)]
+            readings, raws = await readings, [None] * len(outs)
+        choices = [ScoredChoice(o.text, o.finish_reason, float(powered(sequence_confidence(lps), self.token_temperature)),
+                                raw, topk_entropy(tops), len(o.token_ids), output=o, calibrated_logprobs=lps)
+                   for o, (lps, tops), raw in zip(outs, readings, raws)]
         return Scoring(self.path, self.kind, choices, outs[0].prompt_tokens)
 
     async def raw_confidence(self, out: EngineOutput, request: EngineRequest, index: int = 0) -> float | None:
@@ -51,11 +99,11 @@ class TokenScorer:
         same weights (one prefill, no generation; prompt log-probs are taken before logits processors)."""
         if not out.token_ids:
             return None
-        prompt_ids = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        prompt = prompt_ids(request, self.tokenizer)
         raw = await generate(self.engine, EngineRequest(
-            request_id=f"{request.request_id}-raw{index}", prompt="", prompt_token_ids=tuple(prompt_ids + out.token_ids),
+            request_id=f"{request.request_id}-raw{index}", prompt="", prompt_token_ids=tuple(prompt + out.token_ids),
             max_tokens=1, prompt_logprobs=True, calibrated=False, adapter=request.adapter, free_form=request.free_form))
-        lps = (raw.prompt_logprobs or [])[len(prompt_ids):]
+        lps = (raw.prompt_logprobs or [])[len(prompt):]
         if len(lps) != len(out.token_ids):
             raise EngineUnavailable("the engine returned no prompt log-probs for the answer")
         return sequence_confidence(lps)
@@ -90,7 +138,7 @@ class SemanticScorer:
         cal = self.calibration
         sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
                               max_tokens=min(job.request.max_tokens, cal.max_tokens), seed=samples_seed(job.request))
-        outs, samples = await asyncio.gather(generate_choices(self.engine, job.request),
+        outs, samples = await asyncio.gather(generate_choices(self.engine, answer_request(job.request)),
                                              generate_choices(self.engine, sampled))
         texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
         words = [reader.words(t) for t in texts]
