@@ -6,13 +6,15 @@ target's answer mapped back to an option; under protocol "calm" (the target is a
 and the target's calibration comes back as the answer's confidence. A target that is down, slow past its timeout,
 refuses, or answers without a usable text raises `TargetFailed`; the policy's `on_failure` then applies.
 
-The request carries `X-Calm-Escalated: 1`: a CALM gateway receiving it answers without escalating again, so two
-gateways pointing at each other (or replicas sharing one policy table) cannot bounce a request between them.
+A request to a CALM target (protocol "calm") carries the signed hop of gateway/peer.py when this gateway has the
+fleet's peer secret: the target answers it without handing it off again, so two gateways pointing at each other (or
+replicas sharing one policy table) cannot bounce a request between them. Other targets get no hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,11 +24,11 @@ import httpx
 
 from calm_core.prompts import letter_user_message
 from gateway.logprobs import Position
+from gateway.peer import HOP_HEADER, hop_value
 from gateway.policies import EscalationTarget
 from gateway.prompting import options_of
 from gateway.protocol.openai import ChatCompletionRequest, SamplingFields
 
-HOP_HEADER = "X-Calm-Escalated"
 # Fields of the caller's request that belong to this gateway (routing, versions, options handled below, streaming:
 # the target answers whole, the caller's stream is written from that answer).
 _OWN_FIELDS = {"calm", "options", "stream", "stream_options", "model", "n"}
@@ -160,8 +162,9 @@ def api_key(target: EscalationTarget) -> str | None:
 class Escalator:
     """Calls escalation targets over one pooled HTTP client (opened on first use, closed with the gateway)."""
 
-    def __init__(self):
+    def __init__(self, peer_secret: str | None = None):
         self._client: httpx.AsyncClient | None = None
+        self.peer_secret = peer_secret
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -173,13 +176,16 @@ class Escalator:
                   letters: tuple[str, ...] | None) -> list[TargetAnswer]:
         """The target's answers, or TargetFailed once `target.timeout_s` has passed, whatever the target does."""
         path, body = target_request(req, target, n, letters is not None)
-        headers = {HOP_HEADER: "1"}
+        content = json.dumps(body).encode()  # the exact bytes the hop signs
+        headers = {"Content-Type": "application/json"}
+        if target.protocol == "calm" and self.peer_secret:
+            headers[HOP_HEADER] = hop_value(self.peer_secret, content)
         key = api_key(target)
         if key:
             headers["Authorization"] = f"Bearer {key}"
         try:
             async with asyncio.timeout(target.timeout_s):
-                response = await self.client.post(target.url.rstrip("/") + path, json=body, headers=headers,
+                response = await self.client.post(target.url.rstrip("/") + path, content=content, headers=headers,
                                                   timeout=target.timeout_s)
         except (TimeoutError, httpx.TimeoutException):
             raise TargetFailed("timeout", f"no answer within {target.timeout_s:g} s") from None

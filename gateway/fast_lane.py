@@ -29,11 +29,12 @@ import asyncio
 from pydantic import ValidationError
 
 from gateway.errors import classified_response
-from gateway.escalation import HOP_HEADER
+from gateway.peer import HOP_HEADER, is_peer_hop
 from gateway.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.openai import answer
+from gateway.settings import peer_secret
 from gateway.state import GatewayState
 
 ROUTES = {"/v1/chat/completions": ("chat", ChatCompletionRequest), "/v1/completions": ("completions", CompletionRequest),
@@ -90,8 +91,8 @@ class FastLane:
         try:
             try:
                 key = self.state.keyring.authenticate(headers.get(b"authorization"))
-                response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key,
-                                        _HOP in headers)
+                hop = is_peer_hop(peer_secret(self.state.settings), headers.get(_HOP), body)
+                response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key, hop)
             except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
                 response = classified_response(e, scope["path"])
             finally:

@@ -44,6 +44,18 @@ class Handoff:
             await self._review(served, unsure, ctx)
         return served
 
+    def withhold(self, served: Served, ctx: RequestContext) -> Served:
+        """A request a peer gateway escalated here is never handed off again: an answer its policy would hand off is
+        withheld instead (the policy's message), never returned."""
+        if ctx.policy.action not in (Action.ESCALATE, Action.REVIEW):
+            return served
+        for i, answer in enumerate(served.answers):
+            if ctx.policy.below(answer.calibration.confidence):
+                self.metrics.abstentions.labels(ctx.domain).inc()
+                served.answers[i] = replace(answer, text=ctx.policy.message, positions=no_positions,
+                                            calibration=answer.calibration.model_copy(update=dict(abstained=True)))
+        return served
+
     # -- escalate -----------------------------------------------------------------------------------------------------
     async def _escalate(self, served: Served, unsure: list[int], ctx: RequestContext) -> None:
         target, domain, started = ctx.policy.escalate, ctx.domain, time.perf_counter()

@@ -20,6 +20,7 @@ from calm_core.scorers.base import AnswerKind, ConfidenceMethod, Scorer, ScoredC
 from calm_core.scorers.registry import Scorers
 from calm_core.served_answers import ServedAnswer
 from gateway.errors import APIError
+from gateway.escalation import Escalator
 from gateway.group_commit import GroupCommit
 from gateway.guarantees import GuaranteedThresholds
 from gateway.handoff import Handoff
@@ -34,7 +35,7 @@ from gateway.protocol.openai import (
     Calibration, ChatCompletionRequest, ClusterOut, CompletionRequest, OptionProbability, SamplingFields, UsageInfo,
 )
 from gateway.retraining import CaptureBook
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, peer_secret
 from gateway.store import Store
 from gateway.wire import Answer, Served, WireView, no_positions
 
@@ -94,7 +95,7 @@ class SharedParts:
         responses = GroupCommit(lambda rows: store.record_responses(rows),
                                 (lambda rows: store.record_responses(rows, wait=False)) if store.sqlite else None, alone)
         return cls(settings, tokenizer, store, monitor, policies, guarantees, capture, responses,
-                   Handoff(HandoffStore(store), monitor.metrics))
+                   Handoff(HandoffStore(store), monitor.metrics, Escalator(peer_secret(settings))))
 
     def record_verdict(self, response_key: str, domain: str, correct: bool) -> bool | None:
         """Feedback on a stored answer, then the domain's online calibration and guarantee see it (blocking: call it
@@ -253,8 +254,8 @@ class CalibratedService:
 
     async def answer(self, ctx: RequestContext) -> Served:
         served = self.calibrate(await ctx.scorer.score(ctx.job), ctx)
-        if ctx.handoff:
-            served = await self.shared.handoff.apply(served, ctx)
+        handoff = self.shared.handoff
+        served = await handoff.apply(served, ctx) if ctx.handoff else handoff.withhold(served, ctx)
         await self.record(served, ctx)
         return served
 

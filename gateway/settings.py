@@ -7,7 +7,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from adapters.cpu_limits import omp_threads_set
@@ -56,6 +56,9 @@ class GatewaySettings(BaseSettings):
     # `calm engine` on CPU: tcmalloc preloaded when installed (adapters/allocator.py), or the system's allocator
     engine_allocator: Literal["tcmalloc", "system"] = "tcmalloc"
     admin_key: str = DEV_ADMIN_KEY
+    # Shared by the gateways of one operator that escalate to each other (protocol "calm"): a request proves it was
+    # escalated by one of them with an HMAC under it (gateway/peer.py); unset, no request skips this gateway's hand-off.
+    peer_secret: SecretStr | None = None
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.
     require_api_keys: bool | None = None
@@ -137,3 +140,8 @@ class GatewaySettings(BaseSettings):
         if self.engine is EngineKind.UPSTREAM and not self.upstream_urls:
             raise ValueError('CALM_UPSTREAM_URLS must list at least one vLLM server for engine "upstream"')
         return self
+
+
+def peer_secret(settings: GatewaySettings) -> str | None:
+    """The fleet's peer secret as text (gateway/peer.py), None where the operator set none."""
+    return settings.peer_secret.get_secret_value() if settings.peer_secret is not None else None

@@ -5,12 +5,14 @@ trip (real engines, the official client) is in tests/test_openai_conformance.py.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 from pydantic import ValidationError
 
-from gateway.escalation import HOP_HEADER, TargetFailed, letter_of, read_reply, target_request
+from gateway.escalation import TargetFailed, letter_of, read_reply, target_request
+from gateway.peer import HOP_HEADER, hop_value
 from gateway.policies import EscalationTarget, Policy
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from tests.test_gateway_logic import LetterEngine, science_app
@@ -89,9 +91,9 @@ def test_reading_the_targets_reply():
         read_reply({"choices": [{"message": {"content": "no idea"}}]}, 1, chat=True, letters=("A", "B"), options=None)
 
 
-def gateway_app(tmp_path, target):
+def gateway_app(tmp_path, target, **settings):
     """The app on the scripted engine, its escalation client answering through `target` (an httpx handler)."""
-    app = science_app(tmp_path, LetterEngine())
+    app = science_app(tmp_path, LetterEngine(), **settings)
     app.state.gateway.shared.handoff.escalator._client = httpx.AsyncClient(transport=httpx.MockTransport(target))
     return app
 
@@ -123,7 +125,8 @@ def test_unsure_answers_are_escalated_confident_ones_are_not_and_a_failing_targe
         assert choice["calibration"]["confidence"] == pytest.approx(0.7)  # the first model's, kept
         assert choice["calibration"]["escalation"]["target_model"] == "strong"
         headers, body = seen[-1]
-        assert headers[HOP_HEADER] == "1" and body["model"] == "strong" and "A. x\nB. y" in body["messages"][0]["content"]
+        assert HOP_HEADER not in headers  # an OpenAI target is no peer gateway: no hop
+        assert body["model"] == "strong" and "A. x\nB. y" in body["messages"][0]["content"]
         # Feedback on the escalated answer judges the target: kept apart, not a label of the first model.
         fb = client.post("/v1/feedback", json={"response_id": out["id"], "correct": True}).json()
         assert fb["escalated"] and fb["recorded"]
@@ -131,10 +134,11 @@ def test_unsure_answers_are_escalated_confident_ones_are_not_and_a_failing_targe
         assert 'calm_escalated_feedback_total{correct="true",domain="science"} 1.0' in metrics
         assert 'calm_feedback_total{correct="true",domain="science"}' not in metrics
         assert 'calm_escalations_total{domain="science",outcome="escalated"} 1.0' in metrics
-        # Confident (a request another gateway escalated here is answered, never sent on).
+        # A caller who writes the hop header is escalated as any other (no peer secret here, so no hop is one).
         calls = len(seen)
-        kept = client.post("/v1/chat/completions", json=QUESTION, headers={HOP_HEADER: "1"}).json()["choices"][0]
-        assert kept["message"]["content"] == "A" and not kept["calibration"]["escalated"] and len(seen) == calls
+        forged = client.post("/v1/chat/completions", json=QUESTION, headers={HOP_HEADER: "1"}).json()["choices"][0]
+        assert forged["calibration"]["escalated"] and len(seen) == calls + 1
+        calls = len(seen)
         lower = {**escalate, "threshold": 0.5}
         assert client.put("/admin/policies/science", json=lower, headers=ADMIN).status_code == 200
         kept = client.post("/v1/chat/completions", json=QUESTION).json()["choices"][0]
@@ -195,3 +199,41 @@ def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tm
         assert client.app.state.gateway.store.labelled_answers("science") == ([pytest.approx(0.7)], [False])
     assert posted and posted[0]["review_id"] == review_id and posted[0]["answer"] == "A"
     assert posted[0]["answer_option"] == "x"
+
+
+@pytest.mark.parametrize("action", ["escalate", "review"])
+def test_only_a_peer_gateways_signed_hop_skips_the_hand_off_and_then_the_answer_is_withheld(tmp_path, monkeypatch,
+                                                                                         action):
+    """X-Calm-Escalated once let any caller skip review with `: 1` and get the withheld answer (63). A hop counts only
+    when signed for this very body with the fleet's peer secret and fresh; then this gateway does not hand the
+    request off again, and an answer its policy would hand off is withheld, never returned."""
+    from fastapi.testclient import TestClient
+
+    seen = []
+
+    def target(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}],
+                                         "usage": {"completion_tokens": 1}})
+
+    monkeypatch.setenv("STRONG_KEY", "s3cret")
+    policy = {"threshold": 0.8, "action": action, "message": "Ask a person."}
+    policy |= {"escalate": {**TARGET, "protocol": "calm"}} if action == "escalate" else {}
+    with TestClient(gateway_app(tmp_path, target, peer_secret="fleet-secret")) as client:
+        assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
+        body = json.dumps(QUESTION).encode()
+        send = lambda hop: client.post("/v1/chat/completions", content=body, headers={  # noqa: E731
+            "Content-Type": "application/json", **({HOP_HEADER: hop} if hop else {})}).json()["choices"][0]
+        handed_off = [send(hop) for hop in (None, "1", hop_value("wrong-secret", body), hop_value("fleet-secret", b"{}"),
+                                            hop_value("fleet-secret", body, now=time.time() - 3600))]
+        for choice in handed_off:  # none of these is a peer's hop: the policy hands the answer off
+            cal = choice["calibration"]
+            assert cal["escalated"] if action == "escalate" else cal["review_id"], choice
+        calls, reviews = len(seen), len(client.get("/admin/reviews", headers=ADMIN).json()["data"])
+        peer = send(hop_value("fleet-secret", body))
+        assert peer["message"]["content"] == "Ask a person." and peer["calibration"]["abstained"]
+        assert not peer["calibration"]["escalated"] and peer["calibration"]["review_id"] is None
+        assert len(seen) == calls and len(client.get("/admin/reviews", headers=ADMIN).json()["data"]) == reviews
+        if action == "escalate":  # this gateway's own hop to a CALM target is signed for what it sends
+            sent = seen[0]
+            assert sent.headers[HOP_HEADER] == hop_value("fleet-secret", sent.content, now=int(sent.headers[HOP_HEADER].split(".")[0]))

@@ -17,7 +17,8 @@ from fastapi.responses import Response, StreamingResponse
 from gateway import batch, responses
 from gateway.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
-from gateway.escalation import HOP_HEADER
+from gateway.peer import HOP_HEADER, is_peer_hop
+from gateway.settings import peer_secret
 from gateway.keys import ClientKey
 from gateway.limits import deadline
 from gateway.pipeline import CalibratedService, RequestContext
@@ -35,21 +36,21 @@ ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
 @router.post("/v1/chat/completions", responses=ANSWER_ERRORS)
 async def chat_completions(req: ChatCompletionRequest, raw_request: Request,
                            x_calm_domain: str | None = Header(default=None), key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key, escalated_here(raw_request))
+    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key, await escalated_here(raw_request))
 
 
 @router.post("/v1/completions", responses=ANSWER_ERRORS)
 async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                       key: ClientKey | None = Depends(client)):
     return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key,
-                        escalated_here(raw_request))
+                        await escalated_here(raw_request))
 
 
 @router.post("/v1/responses", responses=ANSWER_ERRORS)
 async def responses_api(req: ResponsesRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                         key: ClientKey | None = Depends(client)):
     return await answer(raw_request.app.state.gateway, "responses", req, x_calm_domain, key,
-                        escalated_here(raw_request))
+                        await escalated_here(raw_request))
 
 
 @router.get("/v1/responses/{response_id}", responses=documented(401, 404))
@@ -71,9 +72,13 @@ async def model(model: str, _: ClientKey | None = Depends(client), gateway: Gate
     return ModelCard(id=model)
 
 
-def escalated_here(raw_request: Request) -> bool:
-    """Another gateway escalated this request here (gateway/escalation.py): answer it, never hand it off again."""
-    return HOP_HEADER in raw_request.headers
+async def escalated_here(raw_request: Request) -> bool:
+    """A peer gateway escalated this request here, proven by its signed hop (gateway/peer.py): answer it, never hand
+    it off again. A hop anyone could write is not one: the request is answered as any caller's."""
+    value = raw_request.headers.get(HOP_HEADER)
+    if value is None:
+        return False
+    return is_peer_hop(peer_secret(raw_request.app.state.gateway.settings), value, await raw_request.body())
 
 
 def serving(gateway: GatewayState, req: SamplingFields | ResponsesRequest, domain: str) -> Deployment:
