@@ -29,9 +29,11 @@ SINGLE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # prefilled in one step (vLLM's own switch, as its CPU platform sets for MLA models); samples also no longer depend
 # on how a prompt was split, so a seeded answer is the same alone and in a full batch (tests/test_gateway_default.py).
 CPU_CHUNKED_PREFILL = False
-# A fleet engine on CPU (`calm engine`, a stock server) scores options token by token: a request per option token, each
-# re-reading the question, which its prefix cache serves only from full blocks; vLLM's CPU block of 128 tokens is more
-# than these prompts hold, and its CPU attention takes multiples of 32 (benchmarks/results/engine_block_size.md).
+# Engines on CPU read answers token by token: a fleet engine (`calm engine`, a stock server) scores options with a
+# request per option token, and every engine reads a free-form answer back through the head with a request per answer
+# token (calm_core/scorers/free_form.py), each re-reading the question and the answer so far, which the prefix cache
+# serves only from full blocks; vLLM's CPU block of 128 tokens is more than these prompts hold, and its CPU attention
+# takes multiples of 32 (benchmarks/results/engine_block_size.md, benchmarks/results/read_back.md).
 FLEET_CPU_BLOCK_SIZE = 32
 
 
@@ -116,7 +118,7 @@ class EngineSettings:
 
 
 CPU_DEFAULTS = dict(dtype="float32", enforce_eager=True, kv_cache_mb=512, gpu_memory_utilization=None,
-                    enable_prefix_caching=None, block_size=None, adapter_mode="merged", executor="uni",
+                    enable_prefix_caching=None, block_size=FLEET_CPU_BLOCK_SIZE, adapter_mode="merged", executor="uni",
                     engine_start="forkserver")
 CUDA_DEFAULTS = dict(dtype="bfloat16", enforce_eager=False, kv_cache_mb=None, gpu_memory_utilization=0.9,
                      enable_prefix_caching=True, block_size=None, adapter_mode="lora", executor=None,

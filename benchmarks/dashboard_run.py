@@ -211,8 +211,9 @@ def main() -> None:
     args = parser.parse_args()
     recorded = (json.loads((args.out / "dashboard_run.json").read_text()) if args.draw_only else record(args.out))
     draw(recorded, args.out / "dashboard.png")
-    readme_path = (args.out / "dashboard.png").resolve().relative_to(REPO)
-    (args.out / "dashboard.md").write_text(summary(recorded, str(readme_path)) + "\n")
+    # The summary is copied into docs/deployment.md (scripts/readme_numbers.py): the image's path as read from docs/.
+    docs_path = Path("..") / (args.out / "dashboard.png").resolve().relative_to(REPO)
+    (args.out / "dashboard.md").write_text(summary(recorded, str(docs_path)) + "\n")
     print(f"wrote {args.out / 'dashboard.png'} and dashboard.md")
 
 

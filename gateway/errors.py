@@ -102,6 +102,14 @@ REFUSED_PARAMETERS = {
     "previous_response_id": "responses are not stored here: send the conversation in `input`",
     "background": "answers are given while the request waits; nothing runs in the background",
     "reasoning": "the served model does not reason apart from its answer",
+    "reasoning_effort": "the served model does not reason apart from its answer",
+    "min_tokens": "forcing a minimum length bends the answer away from the model's own distribution, which the "
+                  "calibrated confidence describes",
+    "store": "responses are not stored here for retrieval: each is answered with store false; keep what you need",
+    "web_search_options": "the gateway answers from the served model alone; it has no search tool",
+    "truncate_prompt_tokens": "a prompt cut by the engine would be answered as another question than the one asked; "
+                              "shorten it yourself",
+    "length_penalty": "it applies to beam search, which this gateway refuses (it bypasses the calibrated confidence)",
 }
 
 

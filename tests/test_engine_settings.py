@@ -20,10 +20,13 @@ def test_cpu_defaults_are_todays_engine():
     assert s.engine_start == "forkserver"  # engine cores forked from one server that imported vLLM
     # each prompt prefilled in one step: a seeded request prefilled in chunks kills a CPU engine (CPU_CHUNKED_PREFILL)
     assert s.enable_chunked_prefill is False
+    # 32-token blocks: answers read token by token re-use the prefix cache (FLEET_CPU_BLOCK_SIZE)
     assert s.vllm_kwargs() == {"dtype": "float32", "enforce_eager": True, "distributed_executor_backend": "uni",
-                               "enable_chunked_prefill": False, "kv_cache_memory_bytes": 512 * 1024**2}
+                               "enable_chunked_prefill": False, "kv_cache_memory_bytes": 512 * 1024**2,
+                               "block_size": 32}
     assert s.server_args() == ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
-                               "--no-enable-chunked-prefill", "--kv-cache-memory-bytes", str(512 * 1024**2)]
+                               "--no-enable-chunked-prefill", "--block-size", "32", "--kv-cache-memory-bytes",
+                               str(512 * 1024**2)]
     # without it vLLM's CPU platform turns "uni" back into a worker process
     assert s.env() == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -50,10 +53,11 @@ def test_explicit_values_win_over_the_device():
     assert resolve(EngineOverrides(gpu_memory_utilization=0.5), detected="cuda").gpu_memory_utilization == 0.5
     mp = resolve(EngineOverrides(executor="mp"), detected="cpu")
     assert mp.vllm_kwargs()["distributed_executor_backend"] == "mp" and mp.env() == {}
-    blocks = resolve(EngineOverrides(block_size=32), detected="cpu")  # unset: vLLM's own (128 on CPU, 16 on CUDA)
-    assert blocks.vllm_kwargs()["block_size"] == 32
-    assert "--block-size 32" in " ".join(blocks.server_args())
-    assert resolve(EngineOverrides(), detected="cpu").block_size is None
+    blocks = resolve(EngineOverrides(block_size=64), detected="cpu")  # unset: 32 on CPU, vLLM's own (16) on CUDA
+    assert blocks.vllm_kwargs()["block_size"] == 64
+    assert "--block-size 64" in " ".join(blocks.server_args())
+    assert resolve(EngineOverrides(), detected="cpu").block_size == 32
+    assert resolve(EngineOverrides(), detected="cuda").block_size is None
 
 
 @pytest.mark.parametrize("overrides, detected, needle", [

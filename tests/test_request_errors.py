@@ -7,6 +7,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from gateway.errors import REFUSED_PARAMETERS
 from tests.test_client_keys import ADMIN, make_app
 
 QUESTION = [{"role": "user", "content": "hello"}]
@@ -46,6 +47,19 @@ REFUSED = [  # (endpoint, arguments, param, words of the message)
     # Errors in two fields: the first one the request has is reported, as before.
     ("chat", dict(messages=QUESTION, temperature="x", n=0), "temperature", "Input should be a valid number"),
 ]
+
+
+@pytest.mark.parametrize("name, value", [("min_tokens", 3), ("store", True), ("reasoning_effort", "low"),
+                                         ("web_search_options", {}), ("truncate_prompt_tokens", 8),
+                                         ("length_penalty", 1.0)])
+def test_a_parameter_refused_by_design_is_refused_with_why_not_a_spelling_suggestion(client, name, value):
+    """These were answered 'did you mean ...?' (min_tokens -> max_tokens, store -> stream): a caller who means them
+    is told why the gateway refuses them."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=QUESTION, max_tokens=2, extra_body={name: value})
+    error = refused.value.body
+    assert error["param"] == name and "did you mean" not in error["message"]
+    assert error["message"] == f"unsupported parameter {name!r}: {REFUSED_PARAMETERS[name]}"
 
 
 @pytest.mark.parametrize("endpoint, arguments, param, words", REFUSED, ids=[f"{e}-{p}" for e, _, p, _ in REFUSED])
