@@ -35,11 +35,22 @@ _OWN_FIELDS = {"calm", "options", "stream", "stream_options", "model", "n"}
 
 
 class TargetFailed(Exception):
-    """The target gave no usable answer; `reason` is the metric label (timeout, connect, status, invalid, api_key)."""
+    """The target gave no usable answer; `reason` is the metric label (timeout, connect, status, invalid, api_key).
+    `detail` is for the gateway's log only: a caller is told `public` (the upstream's or transport's own text, or a
+    secret's, never reaches a caller)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason, self.detail = reason, detail
+
+    @property
+    def public(self) -> str:
+        return _PUBLIC_REASONS.get(self.reason, "the target gave no usable answer")
+
+
+_PUBLIC_REASONS = {"timeout": "the target did not answer in time", "connect": "the target could not be reached",
+                   "status": "the target refused the request", "invalid": "the target's answer could not be used",
+                   "api_key": "the target's API key is not available on this gateway"}
 
 
 @dataclass(frozen=True)
@@ -153,9 +164,14 @@ def api_key(target: EscalationTarget) -> str | None:
         return value
     if target.api_key_file:
         try:
-            return Path(target.api_key_file).read_text().strip()
-        except OSError as e:
-            raise TargetFailed("api_key", f"cannot read the API key file: {e.strerror}") from None
+            value = Path(target.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TargetFailed("api_key", f"cannot read the API key file: {getattr(e, 'strerror', None) or 'not text'}"
+                               ) from None
+        # A key is one token: a file of several lines or spaces is not a key file, and its content is never sent.
+        if not value or any(c.isspace() for c in value) or not value.isprintable():
+            raise TargetFailed("api_key", f"{target.api_key_file} does not hold one API key (one line, no spaces)")
+        return value
     return None
 
 

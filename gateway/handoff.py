@@ -89,7 +89,7 @@ class Handoff:
         self.metrics.escalations.labels(domain, f"fallback_{target.on_failure}").inc(len(unsure))
         if withhold:
             self.metrics.abstentions.labels(domain).inc(len(unsure))
-        why = f"{failure.reason}: {failure.detail}; " + ("answer withheld" if withhold else "the first answer stands")
+        why = f"{failure.reason}: {failure.public}; " + ("answer withheld" if withhold else "the first answer stands")
         for i in unsure:
             answer = served.answers[i]
             info = Escalation(target_model=target.model, latency_ms=seconds * 1000, fallback=why)

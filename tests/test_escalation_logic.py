@@ -147,12 +147,14 @@ def test_unsure_answers_are_escalated_confident_ones_are_not_and_a_failing_targe
         monkeypatch.delenv("STRONG_KEY")
         fell = client.post("/v1/chat/completions", json=QUESTION | {"calm": {"threshold": 0.9}}).json()["choices"][0]
         assert fell["message"]["content"] == "A" and not fell["calibration"]["escalated"]
-        assert fell["calibration"]["escalation"]["fallback"].startswith("api_key: the environment variable STRONG_KEY")
+        assert fell["calibration"]["escalation"]["fallback"] == (
+            "api_key: the target's API key is not available on this gateway; the first answer stands")
         monkeypatch.setenv("STRONG_KEY", "wrong")
         withhold = {**escalate, "message": "Ask a person.", "escalate": {**TARGET, "on_failure": "abstain"}}
         assert client.put("/admin/policies/science", json=withhold, headers=ADMIN).status_code == 200
         fell = client.post("/v1/chat/completions", json=QUESTION | {"stream": True}).text
-        assert "Ask a person." in fell and "HTTP 401" in fell and '"escalated": false' in fell
+        assert "Ask a person." in fell and "the target refused the request" in fell and '"escalated": false' in fell
+        assert "bad key" not in fell and "401" not in fell  # the target's own words stay in this gateway's log
         metrics = client.get("/metrics").text
         assert 'calm_escalation_errors_total{domain="science",reason="status"} 1.0' in metrics
         assert 'calm_escalations_total{domain="science",outcome="fallback_abstain"} 1.0' in metrics
@@ -237,3 +239,30 @@ def test_only_a_peer_gateways_signed_hop_skips_the_hand_off_and_then_the_answer_
         if action == "escalate":  # this gateway's own hop to a CALM target is signed for what it sends
             sent = seen[0]
             assert sent.headers[HOP_HEADER] == hop_value("fleet-secret", sent.content, now=int(sent.headers[HOP_HEADER].split(".")[0]))
+
+
+def test_a_key_file_that_is_not_one_key_is_never_sent_and_no_upstream_text_reaches_the_caller(tmp_path):
+    """An `escalate` policy with `api_key_file: /etc/passwd` once sent the file as a Bearer token, and the transport's
+    error, quoting it, came back to the client in `escalation.fallback` (63). A key file must hold one token; a
+    failure is described to the caller by its kind only."""
+    from fastapi.testclient import TestClient
+
+    sent = []
+    secret_file = tmp_path / "passwd"
+    secret_file.write_text("root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n")
+
+    def target(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500, text="upstream exploded: internal hostname db-7.corp")
+
+    with TestClient(gateway_app(tmp_path, target)) as client:
+        with_file = {**TARGET, "api_key_env": None, "api_key_file": str(secret_file)}
+        policy = {"threshold": 0.8, "action": "escalate", "escalate": with_file}
+        assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
+        text = json.dumps(client.post("/v1/chat/completions", json=QUESTION).json())
+        assert not sent and "root:x" not in text and "daemon" not in text
+        assert "the target's API key is not available on this gateway" in text
+        secret_file.write_text("one-key\n")
+        text = json.dumps(client.post("/v1/chat/completions", json=QUESTION).json())
+        assert sent[-1].headers["authorization"] == "Bearer one-key"
+        assert "the target refused the request" in text and "exploded" not in text and "db-7" not in text
