@@ -33,7 +33,9 @@ from adapters.vllm_common import HEAD_ARG_KEY, OPT_OUT_KEY, served_name
 
 log = logging.getLogger("calm.upstream")
 
-# vLLM's values meaning "off"; only parameters that differ from them are sent.
+# vLLM's values meaning "off". `n` is sent only where it differs; the others always: a server started without
+# `--generation-config vllm` fills a parameter a request leaves out from the model's generation_config.json (a
+# repetition penalty, a top-k), which would reach the log-probs a confidence is read from.
 _VLLM_DEFAULTS = dict(n=1, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
 
 
@@ -55,7 +57,7 @@ def _payload(model: str, head: str | None, r: EngineRequest, stream: bool = True
         body["seed"] = r.seed
     sampling = dict(n=r.n, top_k=r.top_k, min_p=r.min_p, presence_penalty=r.presence_penalty,
                     frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty)
-    body.update({k: v for k, v in sampling.items() if v != _VLLM_DEFAULTS[k]})
+    body.update({k: v for k, v in sampling.items() if k != "n" or v != _VLLM_DEFAULTS[k]})
     if r.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in r.logit_bias}
     if r.json_schema is not None:

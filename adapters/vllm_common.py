@@ -201,6 +201,9 @@ class EngineConfig:
             "--max-model-len", str(self.max_model_len),
             "--max-logprobs", str(self.max_logprobs),
             "--logprobs-mode", "processed_logprobs",
+            # A request's sampling parameters are the caller's or vLLM's "off" values, never the model's
+            # generation_config.json defaults (a repetition penalty there would reach every confidence).
+            "--generation-config", "vllm",
             "--additional-config", json.dumps(additional),
             "--seed", str(self.seed),
             "--host", host,

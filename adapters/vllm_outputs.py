@@ -32,6 +32,7 @@ def deltas_from_output(out, started: bool) -> list[EngineDelta]:
             finish_reason=completion.finish_reason,
             prompt_tokens=None if started else len(out.prompt_token_ids or []),
             index=completion.index,
+            prompt_token_ids=None if started or out.prompt_token_ids is None else list(out.prompt_token_ids),
         )
         if not started and out.prompt_logprobs:
             delta.prompt_logprobs = prompt_logprobs_by_position(out.prompt_token_ids or [], out.prompt_logprobs,

@@ -68,6 +68,9 @@ class EngineDelta:
     prompt_tokens: int | None = None
     index: int = 0  # which of the request's n completions this piece belongs to
     prompt_logprobs: list[float] | None = None  # per prompt token (the first has none: nan), when asked for
+    # The prompt's token ids as the engine tokenized it (its first piece; engines that report them): what an answer's
+    # read-back must continue, special tokens included.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -79,12 +82,14 @@ class EngineOutput:
     finish_reason: str | None
     prompt_tokens: int
     prompt_logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @classmethod
     def collect(cls, deltas: list[EngineDelta]) -> "EngineOutput":
         out = cls("", [], [], [], None, 0)
         for d in deltas:
             out.prompt_logprobs = d.prompt_logprobs if d.prompt_logprobs is not None else out.prompt_logprobs
+            out.prompt_token_ids = d.prompt_token_ids if d.prompt_token_ids is not None else out.prompt_token_ids
             out.text += d.text
             out.token_ids += d.token_ids
             out.token_logprobs += d.token_logprobs

@@ -60,6 +60,8 @@ def head_table_on(device: str, vocab: int = 49152, rows: int = 64) -> list[dict]
 
 def train_smoke(dtype: str, out: Path) -> dict:
     """The smoke configuration trained where the trainer runs (a GPU where torch sees one), evaluated and exported."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # each run's own peak
     start = time.perf_counter()
     trainer = Trainer(load_config(SMOKE, out_dir=str(out), dtype=dtype), show_progress=False).setup()
     trainer.train()

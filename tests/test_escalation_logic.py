@@ -266,3 +266,12 @@ def test_a_key_file_that_is_not_one_key_is_never_sent_and_no_upstream_text_reach
         text = json.dumps(client.post("/v1/chat/completions", json=QUESTION).json())
         assert sent[-1].headers["authorization"] == "Bearer one-key"
         assert "the target refused the request" in text and "exploded" not in text and "db-7" not in text
+
+
+@pytest.mark.parametrize("value", ["²³.00", "1" * 5000 + "." + "0" * 64, "1." + "é" * 64, "12.abc", ".", "1" * 12])
+def test_a_malformed_hop_is_no_hop_and_no_error(value):
+    """With a secret set, a header a caller wrote in any shape is simply not a hop (int() refused '²', a 5,000-digit
+    time, and compare_digest a non-ASCII MAC)."""
+    from gateway.peer import is_peer_hop
+
+    assert is_peer_hop("s", value, b"{}") is False

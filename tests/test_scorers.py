@@ -270,3 +270,54 @@ def test_the_registry_chooses_by_answer_format_engine_and_method():
     assert Scorers(Scripted(None), tokenizer, "generative").for_prompt(mc).path is ScoringPath.LETTER
     with pytest.raises(ValueError):
         Scorers(Scripted(None), tokenizer, "guess")
+
+
+def test_the_read_back_keeps_at_most_its_limit_of_requests_in_flight(monkeypatch):
+    """One call may ask for n x max_tokens read-back requests (16 x 1,024); at most READS_IN_FLIGHT are sent at once."""
+    import calm_core.scorers.free_form as free_form
+
+    monkeypatch.setattr(free_form, "READS_IN_FLIGHT", 3)
+    in_flight, most = 0, 0
+
+    class Slow:
+        model_name, artifact_version, max_model_len = "m", "v", 2048
+        folded_scoring = free_form_mode = prompt_logprobs = False
+
+        async def stream(self, request):
+            nonlocal in_flight, most
+            if not request.prompt_token_ids:  # the draw: 40 tokens
+                yield EngineDelta(text="x" * 40, token_ids=list(range(40)), token_logprobs=[-0.1] * 40,
+                                  top_logprobs=[{t: -0.1} for t in range(40)], prompt_tokens=3, finish_reason="stop")
+                return
+            in_flight += 1
+            most = max(most, in_flight)
+            await asyncio.sleep(0)
+            in_flight -= 1
+            token = len(request.prompt_token_ids) - 1  # anything: read back as -0.1 for whatever was asked
+            top = {t: -0.1 for t in request.option_token_ids} or {t: -0.1 for t in range(40)}
+            yield EngineDelta(text="x", token_ids=[token], token_logprobs=[-0.1], top_logprobs=[top])
+
+    job = free_job()
+    (choice,) = run(TokenScorer(Slow(), _tiny_tokenizer()), ScoringJob(job.prompt, job.request)).choices
+    assert choice.confidence == pytest.approx(math.exp(-0.1)) and most == 3
+
+
+def test_an_answer_is_read_back_after_the_prompt_as_the_engine_tokenized_it():
+    """An engine that reports its prompt's ids (in-process vLLM adds a tokenizer's BOS to a text prompt) has the
+    answer read back, and the raw pass read, after exactly those ids, not the text re-tokenized without them."""
+    tokenizer = _tiny_tokenizer()
+    engine_ids = [99, *tokenizer.encode("<q>", add_special_tokens=False)]
+
+    def answer(request):
+        if request.prompt_logprobs:
+            return [EngineDelta(token_ids=[1], prompt_logprobs=[math.nan] + [-0.5] * (len(request.prompt_token_ids) - 1))]
+        if request.prompt_token_ids:
+            return [EngineDelta(text="x", token_ids=[5], token_logprobs=[-0.2], top_logprobs=[{5: -0.2}])]
+        return [EngineDelta(text="Paris", token_ids=[5], token_logprobs=[-0.1], top_logprobs=[{5: -0.1}],
+                            prompt_tokens=len(engine_ids), prompt_token_ids=engine_ids, finish_reason="stop")]
+
+    engine = Scripted(answer, prompt_logprobs=True)
+    job = free_job()
+    run(TokenScorer(engine, tokenizer), ScoringJob(job.prompt, job.request, with_raw=True))
+    assert [list(r.prompt_token_ids) for r in engine.requests[1:]] in (
+        [engine_ids, engine_ids + [5]], [engine_ids + [5], engine_ids])  # the read-back and the raw pass

@@ -286,3 +286,16 @@ def test_a_whole_answer_is_awaited_as_a_whole_and_a_stream_chunk_by_chunk():
     assert asyncio.run(run(stream=False)).text == "Paris"
     with pytest.raises(EngineUnavailable, match="timed out"):
         asyncio.run(run(stream=True))
+
+
+def test_every_sampling_parameter_is_sent_so_a_servers_generation_config_never_fills_one():
+    """A stock `vllm serve` fills a parameter a request leaves out from the model's generation_config.json (Qwen2.5's
+    repetition penalty 1.05, top-k 20): the read-back of a free-form answer must reach the engine with vLLM's "off"
+    values, so they are always sent (n only where it is not 1)."""
+    from adapters.upstream import _payload
+    from calm_core.engine import EngineRequest
+
+    body = _payload("m", "v1", EngineRequest("r", prompt="", prompt_token_ids=(1, 2), max_tokens=1, top_logprobs=5))
+    assert {k: body[k] for k in ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")} == {
+        "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    assert "n" not in body and body["temperature"] == 0.0

@@ -226,3 +226,20 @@ def test_the_cpu_core_share_processor_is_registered_only_under_the_v1_runner(mon
                        {"path": "/tmp/board", "slot": 0, "cpus": 2})
     assert (CORE_SHARE_PROCESSOR in args.logits_processors) is shared
     assert ("calm_core_share" in args.additional_config) is shared
+
+
+def test_a_mixed_batch_larger_than_one_gather_gets_every_rows_head(tmp_path):
+    """Mixed batches are gathered a slice of rows at a time (alpha_heads.MIXED_ROWS): every row of a batch spanning
+    several slices still gets its own head, the raw rows untouched."""
+    from adapters.alpha_heads import MIXED_ROWS, HeadTable
+
+    rng = np.random.default_rng(5)
+    heads = [(np.exp(rng.normal(size=V)).astype(np.float32), rng.normal(size=V).astype(np.float32)) for _ in range(2)]
+    table = HeadTable(torch.device("cpu"), V)
+    index = [table.add(*h) for h in heads]
+    batch = rng.choice([0, *index], size=2 * MIXED_ROWS + 7)
+    logits = torch.randn(len(batch), V)
+    out = table.apply(logits.clone(), batch, lambda: torch.from_numpy(batch))
+    for row, h in enumerate(batch):
+        want = logits[row] if h == 0 else logits[row] * torch.from_numpy(heads[h - 1][0]) + torch.from_numpy(heads[h - 1][1])
+        torch.testing.assert_close(out[row], want)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import weakref
 from dataclasses import replace
 from typing import ClassVar
 
@@ -27,6 +28,22 @@ AGREES = 0.5  # a sample says the same as an answer when half its new words do (
 
 
 READ_TOP_K = 5  # top-k log-probs read back per answer token: the entropy beside the confidence
+# Read-back requests in flight in this process at once, whatever the answers' lengths and n: one call may ask for
+# n x max_tokens of them, and an upstream engine's connection pool is shared by every request of the gateway.
+READS_IN_FLIGHT = 128
+_READ_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its semaphore
+
+
+def _read_limit() -> asyncio.Semaphore:
+    loop = asyncio.get_running_loop()
+    if loop not in _READ_LIMITS:
+        _READ_LIMITS[loop] = asyncio.Semaphore(READS_IN_FLIGHT)
+    return _READ_LIMITS[loop]
+
+
+async def _limited(engine: EngineClient, request: EngineRequest) -> EngineOutput:
+    async with _read_limit():
+        return await generate(engine, request)
 
 
 def answer_request(request: EngineRequest) -> EngineRequest:
@@ -35,7 +52,11 @@ def answer_request(request: EngineRequest) -> EngineRequest:
     return replace(request, calibrated=False)
 
 
-def prompt_ids(request: EngineRequest, tokenizer) -> list[int]:
+def prompt_ids(request: EngineRequest, tokenizer, out: EngineOutput | None = None) -> list[int]:
+    """The prompt an answer continues: as the engine tokenized it where it says (a tokenizer that adds a BOS token to
+    a text prompt), else the request's ids, else the text without special tokens (as upstream engines get it)."""
+    if out is not None and out.prompt_token_ids:
+        return list(out.prompt_token_ids)
     return list(request.prompt_token_ids) or tokenizer.encode(request.prompt, add_special_tokens=False)
 
 
@@ -51,9 +72,9 @@ async def read_back(engine: EngineClient, prompt: list[int], request: EngineRequ
                              adapter=request.adapter, free_form=request.free_form, **asked)
 
     tops = [o.top_logprobs[0] if o.top_logprobs else {} for o in await asyncio.gather(
-        *(generate(engine, at(i, top_logprobs=READ_TOP_K)) for i in range(len(out.token_ids))))]
+        *(_limited(engine, at(i, top_logprobs=READ_TOP_K)) for i in range(len(out.token_ids))))]
     missing = [i for i, token in enumerate(out.token_ids) if token not in tops[i]]
-    asked = await asyncio.gather(*(generate(engine, at(i, option_token_ids=(out.token_ids[i],),
+    asked = await asyncio.gather(*(_limited(engine, at(i, option_token_ids=(out.token_ids[i],),
                                                        restrict_to_options=False)) for i in missing))
     found = {i: o.top_logprobs[0].get(out.token_ids[i]) if o.top_logprobs else None for i, o in zip(missing, asked)}
     if None in found.values():
@@ -82,8 +103,8 @@ class TokenScorer:
     async def read(self, job: ScoringJob, outs: list[EngineOutput]) -> Scoring:
         """The scoring of outputs already generated: each read back through the version's calibration, and without
         it where the raw confidence is wanted."""
-        prompt = prompt_ids(job.request, self.tokenizer)
-        readings = asyncio.gather(*(read_back(self.engine, prompt, job.request, o, i) for i, o in enumerate(outs)))
+        readings = asyncio.gather(*(read_back(self.engine, prompt_ids(job.request, self.tokenizer, o), job.request, o, i)
+                                    for i, o in enumerate(outs)))
         if job.with_raw and self.engine.prompt_logprobs:
             raws = asyncio.gather(*(self.raw_confidence(o, job.request, i) for i, o in enumerate(outs)))
             readings, raws = await asyncio.gather(readings, raws)
@@ -99,7 +120,7 @@ class TokenScorer:
         same weights (one prefill, no generation; prompt log-probs are taken before logits processors)."""
         if not out.token_ids:
             return None
-        prompt = prompt_ids(request, self.tokenizer)
+        prompt = prompt_ids(request, self.tokenizer, out)
         raw = await generate(self.engine, EngineRequest(
             request_id=f"{request.request_id}-raw{index}", prompt="", prompt_token_ids=tuple(prompt + out.token_ids),
             max_tokens=1, prompt_logprobs=True, calibrated=False, adapter=request.adapter, free_form=request.free_form))
