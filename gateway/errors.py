@@ -27,6 +27,23 @@ from calm_core.engine import EngineRejected, EngineUnavailable
 from gateway.protocol.common import NONBLANK, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("calm.gateway")
+# The answer routes' paths and their endpoint label in calm_requests_total / calm_errors_total.
+ANSWER_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+UNRESOLVED_DOMAIN = "unresolved"  # the domain label of a request refused before its domain was read
+
+
+def count_refusal(gateway, path: str, status: int, kind: str) -> None:
+    """A POST to an answer route refused before it was answered (its body invalid, its key missing or wrong): counted
+    like the errors the route counts itself, under the domain label `unresolved`."""
+    endpoint = ANSWER_ENDPOINTS.get(path)
+    if endpoint is not None and gateway is not None:
+        gateway.metrics.errors.labels(endpoint, UNRESOLVED_DOMAIN, kind).inc()
+        gateway.metrics.requests_of(endpoint, UNRESOLVED_DOMAIN, str(status)).inc()
+
+
+def _count_refused(request: Request, status: int, kind: str) -> None:
+    if request.method == "POST":
+        count_refusal(getattr(request.app.state, "gateway", None), request.url.path, status, kind)
 
 
 class APIError(Exception):
@@ -203,6 +220,8 @@ def classified_response(exc: Exception, path: str) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     async def _classified(request: Request, exc: Exception):
+        if isinstance(exc, APIError) and exc.status == 401:  # a key refused before the route ran (the route counts the rest)
+            _count_refused(request, 401, exc.type)
         return classified_response(exc, request.url.path)
 
     for kind in (APIError, EngineRejected, EngineUnavailable, OperationalError, InterfaceError, Exception):
@@ -212,6 +231,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         body_field = getattr(request.scope.get("route"), "body_field", None)  # FastAPI's APIRoute: the body model
         message, param = validation_message(exc.errors(), body_field and _model_in(body_field.field_info.annotation))
+        _count_refused(request, 400, "invalid_request_error")
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -28,7 +28,7 @@ import asyncio
 
 from pydantic import ValidationError
 
-from gateway.errors import classified_response
+from gateway.errors import APIError, classified_response, count_refusal
 from gateway.peer import HOP_HEADER, is_peer_hop
 from gateway.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -94,6 +94,8 @@ class FastLane:
                 hop = is_peer_hop(peer_secret(self.state.settings), headers.get(_HOP), body)
                 response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key, hop)
             except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
+                if isinstance(e, APIError) and e.status == 401:  # refused before the route: counted as the app does
+                    count_refusal(self.state, scope["path"], 401, e.type)
                 response = classified_response(e, scope["path"])
             finally:
                 watch.stop()  # the response may read `receive` itself

@@ -107,3 +107,23 @@ def test_a_misspelt_policy_field_is_named_with_the_one_meant(http):
     refused = http.put("/admin/policies/science", json={"treshold": 0.5}, headers=ADMIN)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "treshold"
     assert refused.json()["error"]["message"] == "invalid policy: unsupported parameter 'treshold': did you mean 'threshold'?"
+
+
+def test_requests_refused_before_their_route_are_counted(tmp_path):
+    """calm_requests_total / calm_errors_total missed requests refused at validation and 401s (65): a dashboard showed
+    no errors while callers got them. Counted under the domain label `unresolved` (read before the domain is), on both
+    the fast lane and the framework's path."""
+    body = {"model": "m", "max_tokens": 2, "messages": QUESTION}
+    with TestClient(make_app(tmp_path / "keys", require_api_keys=True)) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 401  # no key: refused in the fast lane
+        assert http.post("/v1/chat/completions", json={**body, "messages": []}).status_code == 401  # the framework's
+        metrics = http.get("/metrics").text
+    assert 'calm_requests_total{domain="unresolved",endpoint="chat",status="401"} 2.0' in metrics
+    assert 'calm_errors_total{domain="unresolved",endpoint="chat",type="authentication_error"} 2.0' in metrics
+    with TestClient(make_app(tmp_path / "open")) as http:
+        assert http.post("/v1/chat/completions", json={**body, "messages": []}).status_code == 400
+        assert http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+                         ).status_code == 400
+        metrics = http.get("/metrics").text
+    assert 'calm_requests_total{domain="unresolved",endpoint="chat",status="400"} 1.0' in metrics
+    assert 'calm_requests_total{domain="unresolved",endpoint="completions",status="400"} 1.0' in metrics
