@@ -218,6 +218,18 @@ def classified_response(exc: Exception, path: str) -> JSONResponse:
     return error_response(error.status, error.message, error.type, error.param, error.code, error.headers)
 
 
+NOT_JSON = ("the request body must be JSON sent with 'Content-Type: application/json' (curl -d sends "
+            "application/x-www-form-urlencoded unless told otherwise)")
+
+
+def _not_read_as_json(request: Request, errors: list[dict]) -> bool:
+    """The body was refused as a whole because its declared type is not JSON (FastAPI then does not parse it)."""
+    declared = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    json_type = not declared or declared == "application/json" or (declared.startswith("application/")
+                                                                   and declared.endswith("+json"))
+    return not json_type and any(tuple(e.get("loc", ())) == ("body",) for e in errors)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def _classified(request: Request, exc: Exception):
         if isinstance(exc, APIError) and exc.status == 401:  # a key refused before the route ran (the route counts the rest)
@@ -231,6 +243,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(request: Request, exc: RequestValidationError):
         body_field = getattr(request.scope.get("route"), "body_field", None)  # FastAPI's APIRoute: the body model
         message, param = validation_message(exc.errors(), body_field and _model_in(body_field.field_info.annotation))
+        if _not_read_as_json(request, exc.errors()):
+            message, param = NOT_JSON, None
         _count_refused(request, 400, "invalid_request_error")
         return error_response(400, message, "invalid_request_error", param)
 
