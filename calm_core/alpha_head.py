@@ -45,6 +45,11 @@ class AlphaHead:
     def size(self) -> int:
         return int(self.scale.shape[0])
 
+    @property
+    def keeps_order(self) -> bool:
+        """One scale and one shift for every token (a temperature): the tokens' order, so the argmax, is unchanged."""
+        return bool(np.all(self.scale == self.scale[0]) and np.all(self.shift == self.shift[0]))
+
     @classmethod
     def identity(cls, vocab_size: int) -> "AlphaHead":
         return cls(np.ones(vocab_size, np.float32), np.zeros(vocab_size, np.float32))

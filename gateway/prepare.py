@@ -32,7 +32,8 @@ class ServedArtifact:
         on_disk = "path" in artifact.__dict__  # unit tests build bare artifacts, with a manifest only
         free_form = artifact.free_form if on_disk else None
         post_hoc = PostHoc(manifest.option_temperature, free_form.manifest.semantic if free_form is not None else None,
-                           free_form.manifest.token_temperature if free_form is not None else 1.0)
+                           free_form.manifest.token_temperature if free_form is not None else 1.0,
+                           (free_form or artifact).head.keeps_order if on_disk else False)
         return cls(manifest.answer_format, manifest.applies_to == "multiple_choice", manifest.has_adapter,
                    manifest.free_form_version, post_hoc)
 

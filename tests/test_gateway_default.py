@@ -189,8 +189,8 @@ PLAIN = {"What is the capital of France?": "Paris", "What is the capital of Japa
 def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client, free_form_model, shared_data):
     """A free-form answer's confidence is the geometric mean of its tokens' calibrated probabilities under the
     free-form mode (adapter + α head), end-of-turn token included; raw_confidence the same without the head. Both
-    equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included (the
-    served weights' own, as drawn); plain prompts keep a correct answer."""
+    equal a hand computation with HF transformers + peft (1e-3), greedy text and token log-probs included; plain
+    prompts keep a correct answer."""
     from calm_core.data import load_open
     from tests.hf_reference import greedy_free_form
 
@@ -204,8 +204,8 @@ def test_free_form_token_confidence_equals_hf_through_the_free_form_mode(client,
         assert cal["mode"] == "free_form" and cal["method"] == "token"
         answer, calibrated, raw = greedy_free_form(model, tokenizer, question, head.scale, head.shift)
         assert choice.message.content == tokenizer.decode(answer, skip_special_tokens=True)
-        served = [t.logprob for t in choice.logprobs.content]
-        np.testing.assert_allclose(served, raw[: len(served)], atol=1e-3)
+        served = [t.logprob for t in choice.logprobs.content]  # greedy through the order-keeping head: calibrated
+        np.testing.assert_allclose(served, calibrated[: len(served)], atol=1e-3)
         assert cal["confidence"] == pytest.approx(float(np.exp(np.mean(calibrated))), abs=1e-3)
         assert cal["raw_confidence"] == pytest.approx(float(np.exp(np.mean(raw))), abs=1e-3)
         moved += abs(cal["confidence"] - cal["raw_confidence"]) > 0.01

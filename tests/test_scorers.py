@@ -321,3 +321,25 @@ def test_an_answer_is_read_back_after_the_prompt_as_the_engine_tokenized_it():
     run(TokenScorer(engine, tokenizer), ScoringJob(job.prompt, job.request, with_raw=True))
     assert [list(r.prompt_token_ids) for r in engine.requests[1:]] in (
         [engine_ids, engine_ids + [5]], [engine_ids + [5], engine_ids])  # the read-back and the raw pass
+
+
+def test_a_plain_greedy_draw_through_an_order_keeping_head_is_its_own_read_back():
+    """A head that is one scale and shift for every token keeps the model's greedy answer, and vLLM's greedy
+    log-probs carry no sampling transform: such a draw is taken through the head and scored from its own log-probs
+    (no request per token). Any sampling parameter, or a head that reorders tokens, sends it to the read-back."""
+    tokenizer = _tiny_tokenizer()
+    prompt_len = len(tokenizer.encode("<q>", add_special_tokens=False))
+    keeps = PostHoc(head_keeps_order=True)
+    for sampling, post_hoc, one_pass in (({}, keeps, True), ({"temperature": 0.3}, keeps, False),
+                                         ({"top_k": 1}, keeps, False), ({"repetition_penalty": 1.1}, keeps, False),
+                                         ({}, PostHoc(), False)):
+        engine = Scripted(lambda r: free_answer(r, prompt_len))
+        job = free_job(**sampling)
+        (choice,) = run(TokenScorer(engine, tokenizer, post_hoc), ScoringJob(job.prompt, job.request)).choices
+        draw = engine.requests[0]
+        if one_pass:
+            assert draw == job.request and len(engine.requests) == 1  # through the head, nothing read back
+            assert choice.confidence == pytest.approx(math.exp((-0.1 - 0.3) / 2))
+        else:
+            assert not draw.calibrated and len(engine.requests) == 4, sampling
+            assert choice.confidence == pytest.approx(math.exp((-0.2 - 2.0) / 2))

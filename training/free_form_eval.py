@@ -77,9 +77,10 @@ class StageProgress:
 async def answer_questions(engine: EngineClient, tokenizer, questions: list[OpenQuestion], samples: int,
                            max_tokens: int = MAX_TOKENS, greedy_only: Collection[str] = (),
                            semantic_calibration: SemanticCalibration | None = None,
-                           token_temperature: float = 1.0) -> list[FreeFormRecord]:
+                           token_temperature: float = 1.0, head_keeps_order: bool = False) -> list[FreeFormRecord]:
     """Greedy answers first (all questions at once: the engine batches them), then the sampled ones."""
-    post_hoc = PostHoc(semantic=semantic_calibration, token_temperature=token_temperature)
+    post_hoc = PostHoc(semantic=semantic_calibration, token_temperature=token_temperature,
+                       head_keeps_order=head_keeps_order)
     token, semantic = TokenScorer(engine, tokenizer, post_hoc), SemanticScorer(engine, tokenizer, post_hoc)
 
     def job(i: int, q: OpenQuestion, **changes) -> ScoringJob:
@@ -118,12 +119,13 @@ def evaluate_served(engines: EngineFactory, base_model: str | Path, artifact_dir
     """Records for the questions on an engine serving the artifact (its adapter merged into `base_model`) with its α
     head; the questions whose ids are in `greedy_only` get no sampled answers (no semantic confidence)."""
     tokenizer = load_tokenizer(str(base_model))
-    manifest = load_artifact(artifact_dir).manifest
+    artifact = load_artifact(artifact_dir)
+    manifest = artifact.manifest
 
     async def run() -> list[FreeFormRecord]:
         async with engines(str(base_model), str(artifact_dir)) as engine:
             return await answer_questions(engine, tokenizer, questions, samples, max_tokens, greedy_only,
-                                          manifest.semantic, manifest.token_temperature)
+                                          manifest.semantic, manifest.token_temperature, artifact.head.keeps_order)
 
     return asyncio.run(run())
 

@@ -49,6 +49,9 @@ class PostHoc:
     option_temperature: float = 1.0
     semantic: SemanticCalibration | None = None
     token_temperature: float = 1.0  # free-form token confidence c served as c ** (1 / T) (labelled recalibration)
+    # The free-form head is one scale and one shift for every token (a temperature): it keeps the model's order of
+    # tokens, so a greedy draw through it is the model's own greedy answer (calm_core/scorers/free_form.py).
+    head_keeps_order: bool = False
 
 
 @dataclass(frozen=True)

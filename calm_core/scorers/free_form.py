@@ -52,6 +52,17 @@ def answer_request(request: EngineRequest) -> EngineRequest:
     return replace(request, calibrated=False)
 
 
+def read_while_drawn(request: EngineRequest, head_keeps_order: bool) -> bool:
+    """Whether the draw itself can carry the read-back's numbers, saving its one request per answer token: a plain
+    greedy draw (no truncation, penalty, bias or structured output: vLLM's greedy log-probs then carry no sampling
+    transform) through a head that keeps the model's order of tokens (or through none) is the model's own greedy
+    answer, and its log-probs are the calibrated ones at temperature 1. Every other draw is read back."""
+    plain = (request.temperature == 0 and request.top_p == 1.0 and request.top_k in (0, -1) and request.min_p == 0
+             and request.presence_penalty == 0 and request.frequency_penalty == 0 and request.repetition_penalty == 1
+             and not request.logit_bias and request.json_schema is None and not request.json_object)
+    return plain and (head_keeps_order or not request.calibrated)
+
+
 def prompt_ids(request: EngineRequest, tokenizer, out: EngineOutput | None = None) -> list[int]:
     """The prompt an answer continues: as the engine tokenized it where it says (a tokenizer that adds a BOS token to
     a text prompt), else the request's ids, else the text without special tokens (as upstream engines get it)."""
@@ -92,10 +103,11 @@ class TokenScorer:
         self.engine = engine
         self.tokenizer = tokenizer
         self.token_temperature = post_hoc.token_temperature
+        self.head_keeps_order = post_hoc.head_keeps_order
 
     def generation(self, job: ScoringJob) -> EngineRequest:
         """What the answers are drawn with (the streamed path sends it itself and hands the outputs to `read`)."""
-        return answer_request(job.request)
+        return job.request if read_while_drawn(job.request, self.head_keeps_order) else answer_request(job.request)
 
     async def score(self, job: ScoringJob) -> Scoring:
         return await self.read(job, await generate_choices(self.engine, self.generation(job)))
@@ -103,8 +115,7 @@ class TokenScorer:
     async def read(self, job: ScoringJob, outs: list[EngineOutput]) -> Scoring:
         """The scoring of outputs already generated: each read back through the version's calibration, and without
         it where the raw confidence is wanted."""
-        readings = asyncio.gather(*(read_back(self.engine, prompt_ids(job.request, self.tokenizer, o), job.request, o, i)
-                                    for i, o in enumerate(outs)))
+        readings = asyncio.gather(*(self._reading(job.request, o, i) for i, o in enumerate(outs)))
         if job.with_raw and self.engine.prompt_logprobs:
             raws = asyncio.gather(*(self.raw_confidence(o, job.request, i) for i, o in enumerate(outs)))
             readings, raws = await asyncio.gather(readings, raws)
@@ -114,6 +125,11 @@ class TokenScorer:
                                 raw, topk_entropy(tops), len(o.token_ids), output=o, calibrated_logprobs=lps)
                    for o, (lps, tops), raw in zip(outs, readings, raws)]
         return Scoring(self.path, self.kind, choices, outs[0].prompt_tokens)
+
+    async def _reading(self, request: EngineRequest, out: EngineOutput, index: int):
+        if read_while_drawn(request, self.head_keeps_order):
+            return out.token_logprobs, out.top_logprobs
+        return await read_back(self.engine, prompt_ids(request, self.tokenizer, out), request, out, index)
 
     async def raw_confidence(self, out: EngineOutput, request: EngineRequest, index: int = 0) -> float | None:
         """The token confidence of the same answer without the α head: the prompt log-probs of prompt + answer on the
@@ -149,6 +165,7 @@ class SemanticScorer:
     def __init__(self, engine: EngineClient, tokenizer=None, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
         self.calibration = post_hoc.semantic or SemanticCalibration()
+        self.head_keeps_order = post_hoc.head_keeps_order
 
     async def score(self, job: ScoringJob) -> Scoring:
         """The answers are those token confidence would return for the same request (a confidence method never changes
@@ -159,7 +176,8 @@ class SemanticScorer:
         cal = self.calibration
         sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
                               max_tokens=min(job.request.max_tokens, cal.max_tokens), seed=samples_seed(job.request))
-        outs, samples = await asyncio.gather(generate_choices(self.engine, answer_request(job.request)),
+        answers = job.request if read_while_drawn(job.request, self.head_keeps_order) else answer_request(job.request)
+        outs, samples = await asyncio.gather(generate_choices(self.engine, answers),
                                              generate_choices(self.engine, sampled))
         texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
         words = [reader.words(t) for t in texts]
