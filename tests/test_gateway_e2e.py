@@ -146,14 +146,18 @@ def test_a_responses_api_answer_is_the_chat_answer_on_the_real_engine(client):
 
 
 def test_free_form_confidence_is_geometric_mean_of_token_probabilities(client):
+    """This artifact's head reorders tokens (it moves the letters only), so its answers are drawn from the weights
+    without it and read back through it (calm_core/scorers/free_form.py): the log-probs returned are the draw's, the
+    weights' own, whose geometric mean is the raw confidence; the head's renormalisation moves the confidence."""
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                       max_tokens=12, logprobs=True)
+                                       max_tokens=12, logprobs=True, extra_body={"calm": {"raw_confidence": True}})
     choice = r.choices[0]
     lps = [t.logprob for t in choice.logprobs.content]
     cal = calibration(choice)
     assert cal["mode"] == "free_form" and choice.message.content
     assert len(lps) == r.usage.completion_tokens > 0
-    assert cal["confidence"] == pytest.approx(math.exp(sum(lps) / len(lps)), rel=1e-6)
+    assert cal["raw_confidence"] == pytest.approx(math.exp(sum(lps) / len(lps)), rel=1e-4)
+    assert abs(cal["confidence"] - cal["raw_confidence"]) > 0.01
     assert 0 < cal["confidence"] <= 1 and cal["entropy"] >= 0
 
 

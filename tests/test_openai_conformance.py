@@ -398,7 +398,8 @@ def test_a_target_down_or_slow_gets_the_fallback_within_its_timeout(stack, clien
             "on_failure": "abstain"}})
         slow = first.chat.completions.create(**ask).choices[0]
         assert slow.message.content == "Ask a person." and slow.model_extra["calibration"]["abstained"]
-        assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: no answer within 1.5 s")
+        # The kind of failure only: the target's and the transport's own words stay in the gateway's log (63).
+        assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: the target did not answer")
         streamed, _ = _merge_stream(list(first.chat.completions.create(stream=True, **ask)))
         assert streamed[0]["text"] == "Ask a person." and streamed[0]["finish"] is not None
     finally:
