@@ -145,6 +145,11 @@ class HeadProcessor:
     heads: EngineHeads
 
     @property
+    def active(self) -> bool:
+        """False for the second instance vLLM builds for an engine (named twice): it stands aside."""
+        return self.heads.active
+
+    @property
     def artifact_version(self) -> str | None:
         return self.heads.artifact_version
 

@@ -13,7 +13,6 @@ from adapters.alpha_heads import EngineHeads, HeadProcessor
 class AlphaHeadV1(HeadProcessor, LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         self.heads = EngineHeads(vllm_config, device)
-        self.active = self.heads.active
         self.rows: dict[int, int] = {}  # batch row -> its head's table row, for rows not on the engine's own head
 
     def is_argmax_invariant(self) -> bool:

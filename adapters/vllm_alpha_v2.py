@@ -24,7 +24,6 @@ class AlphaHeadV2(HeadProcessor, LogitsProcessor):
         from vllm.v1.worker.gpu.buffer_utils import UvaBackedTensor
 
         self.heads = EngineHeads(vllm_config, req_states.device)
-        self.active = self.heads.active
         self.slot_head = UvaBackedTensor(req_states.max_num_reqs, dtype=torch.int32)  # .np on the host, .gpu
         self._staged = False
 

@@ -46,10 +46,11 @@ async def _limited(engine: EngineClient, request: EngineRequest) -> EngineOutput
         return await generate(engine, request)
 
 
-def answer_request(request: EngineRequest) -> EngineRequest:
-    """The request that draws free-form answers: the served weights with the α head off, the caller's sampling
-    parameters unchanged (greedy where none were given)."""
-    return replace(request, calibrated=False)
+def answer_request(request: EngineRequest, head_keeps_order: bool) -> EngineRequest:
+    """The request that draws free-form answers, the caller's sampling parameters unchanged (greedy where none were
+    given): through the head where the draw carries its own numbers (`read_while_drawn`), else the served weights
+    with the α head off."""
+    return request if read_while_drawn(request, head_keeps_order) else replace(request, calibrated=False)
 
 
 def read_while_drawn(request: EngineRequest, head_keeps_order: bool) -> bool:
@@ -107,7 +108,7 @@ class TokenScorer:
 
     def generation(self, job: ScoringJob) -> EngineRequest:
         """What the answers are drawn with (the streamed path sends it itself and hands the outputs to `read`)."""
-        return job.request if read_while_drawn(job.request, self.head_keeps_order) else answer_request(job.request)
+        return answer_request(job.request, self.head_keeps_order)
 
     async def score(self, job: ScoringJob) -> Scoring:
         return await self.read(job, await generate_choices(self.engine, self.generation(job)))
@@ -176,7 +177,7 @@ class SemanticScorer:
         cal = self.calibration
         sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
                               max_tokens=min(job.request.max_tokens, cal.max_tokens), seed=samples_seed(job.request))
-        answers = job.request if read_while_drawn(job.request, self.head_keeps_order) else answer_request(job.request)
+        answers = answer_request(job.request, self.head_keeps_order)  # as token confidence draws them
         outs, samples = await asyncio.gather(generate_choices(self.engine, answers),
                                              generate_choices(self.engine, sampled))
         texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
