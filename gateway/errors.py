@@ -222,12 +222,18 @@ NOT_JSON = ("the request body must be JSON sent with 'Content-Type: application/
             "application/x-www-form-urlencoded unless told otherwise)")
 
 
+def json_content_type(content_type: str | None) -> bool:
+    """FastAPI parses a body as JSON without a content type or with application/json or application/*+json."""
+    if not content_type:  # absent or empty: FastAPI reads JSON
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def _not_read_as_json(request: Request, errors: list[dict]) -> bool:
     """The body was refused as a whole because its declared type is not JSON (FastAPI then does not parse it)."""
-    declared = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
-    json_type = not declared or declared == "application/json" or (declared.startswith("application/")
-                                                                   and declared.endswith("+json"))
-    return not json_type and any(tuple(e.get("loc", ())) == ("body",) for e in errors)
+    return (not json_content_type(request.headers.get("content-type"))
+            and any(tuple(e.get("loc", ())) == ("body",) for e in errors))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -28,7 +28,7 @@ import asyncio
 
 from pydantic import ValidationError
 
-from gateway.errors import APIError, classified_response, count_refusal
+from gateway.errors import APIError, classified_response, count_refusal, json_content_type
 from gateway.peer import HOP_HEADER, is_peer_hop
 from gateway.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -52,14 +52,6 @@ def _headers(raw: list[tuple[bytes, bytes]]) -> dict[bytes, str]:
     return found
 
 
-def _json_body(content_type: str | None) -> bool:
-    """FastAPI parses a body as JSON without a content type or with application/json or application/*+json."""
-    if content_type is None:
-        return True
-    kind = content_type.split(";", 1)[0].strip().lower()
-    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
-
-
 class FastLane:
     """ASGI app in front of the FastAPI app's whole middleware stack (`app`); `state` is the app's GatewayState. A body
     over `max_bytes` is left to the stack's size limit (BodySizeLimit answers 413)."""
@@ -80,7 +72,7 @@ class FastLane:
             return None
         body = b"".join(chunks) if within else b""
         request = None
-        if body and _json_body(headers.get(b"content-type")):
+        if body and json_content_type(headers.get(b"content-type")):
             try:
                 request = route[1].model_validate_json(body)
             except ValidationError:
