@@ -6,10 +6,15 @@
   own logits are the calibrated ones, d ⊙ z. Exact whenever the shifts l are one constant (a constant shift does not
   change a softmax): scalar heads and per-token scale-only heads. Then vLLM's prompt log-probs, which skip logits
   processors, are calibrated, and a cloze option is scored in one request.
+
+Each copy carries an index of its files' hashes (CACHE_INDEX), written last; a copy is served only when every file
+matches it (hashed once per process), else it is built again: a crash, a disk fault or an edit never reaches an engine.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -18,8 +23,37 @@ import numpy as np
 from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import LoadedArtifact
 from calm_core.atomic import atomic_dir
+from calm_core.hashing import folder_index, index_mismatch
 from calm_core.paths import calm_home
 from calm_core.startup import stage
+
+CACHE_INDEX = "calm-cache.json"
+log = logging.getLogger("calm.engine")
+
+
+def write_cache_index(folder: Path) -> None:
+    """The hashes of every file a copy holds: the last file written into it."""
+    (folder / CACHE_INDEX).write_text(json.dumps({"files": folder_index(folder)}))
+
+
+def cache_ready(folder: Path) -> bool:
+    """Whether a cached copy is whole and as built: its weights' config and every file of its index, unchanged."""
+    if not (folder / "config.json").is_file():
+        return False  # not built (a folder without config.json is a copy cut short)
+    try:
+        index = json.loads((folder / CACHE_INDEX).read_text())["files"]
+        bad = "config.json (not indexed)" if "config.json" not in index else index_mismatch(folder, index)
+    except (OSError, ValueError, KeyError, TypeError):
+        bad = f"{CACHE_INDEX} (missing or unreadable)"
+    if bad is not None:
+        log.warning("%s: %s; building it again", folder, bad)
+    return bad is None
+
+
+def _build_into(target: Path):
+    """A folder to build a copy in: a copy another process finishes first is kept (an engine may be reading it), one
+    that is there now but failed its check is replaced."""
+    return atomic_dir(target, keep_existing=not target.exists())
 
 
 def _merged_target(artifact: LoadedArtifact, home: Path | None) -> Path:
@@ -32,7 +66,7 @@ def built_merged_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     if artifact.adapter_dir is None:
         return Path(base_model_path)
     target = _merged_target(artifact, home)
-    return target if (target / "config.json").is_file() else None
+    return target if cache_ready(target) else None
 
 
 def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path:
@@ -48,9 +82,10 @@ def merged_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(artifact.adapter_dir)).merge_and_unload()
-    with atomic_dir(target, keep_existing=True) as tmp:
+    with _build_into(target) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
         copy_tokenizer(base_model_path, tmp)
+        write_cache_index(tmp)
     return target
 
 
@@ -86,7 +121,7 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     if not foldable(artifact.head):
         raise ValueError(f"artifact {artifact.manifest.artifact_version} has per-token shifts: its head cannot be folded")
     target = (home or calm_home()) / "folded" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
-    if (target / "config.json").is_file():
+    if cache_ready(target):
         return target
     import torch
     from transformers import AutoModelForCausalLM
@@ -102,7 +137,8 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
             model.config.get_text_config().tie_word_embeddings = False
         model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         model.lm_head.weight = torch.nn.Parameter(weight)
-    with atomic_dir(target, keep_existing=True) as tmp:
+    with _build_into(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         copy_tokenizer(base_model_path, tmp)
+        write_cache_index(tmp)
     return target

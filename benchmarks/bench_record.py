@@ -31,9 +31,9 @@ def store_us(store: Store, batch: int, commits: int, tag: str) -> float:
 
 
 def bare_us(path: Path, batch: int, commits: int, tag: str) -> float:
-    """The responses rows alone through sqlite3, in the gateway's transaction mode (WAL, synchronous NORMAL)."""
+    """The responses rows alone through sqlite3, in the gateway's transaction mode (WAL, synchronous FULL)."""
     con = sqlite3.connect(path, isolation_level=None)
-    con.execute("PRAGMA synchronous=NORMAL")
+    con.execute("PRAGMA synchronous=FULL")
     sql = "INSERT INTO responses (id, domain, confidence, created_at) VALUES (?, ?, ?, ?) ON CONFLICT (id) DO NOTHING"
     began = time.process_time()
     for i in range(commits):

@@ -4,28 +4,29 @@ Layout of an artifact folder:
     alpha_head.safetensors   tensors `scale` (d) and `shift` (l), float32, shape (V,) or (1,)
     manifest.json            ArtifactManifest below
     adapter/                 optional LoRA adapter (peft format) trained with the head
-Writes are atomic (a temporary sibling folder renamed into place); loading verifies the head's hash and shapes and,
-when told what it is applied to, the base model's weights hash, the tokenizer hash and the vocabulary size.
+Writes are atomic and durable (a temporary sibling folder, fsynced, renamed into place); loading verifies the hash of
+every file the manifest records (the head's, the adapter's; a free-form mode's own manifest its files), the head's
+shapes and, when told what it is applied to, the base model's weights hash, the tokenizer hash and the vocabulary size.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import re
 import shutil
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from calm_core.alpha_head import AlphaHead, HeadKind
-from calm_core.atomic import atomic_dir
+from calm_core.atomic import atomic_dir, atomic_write_text
 from calm_core.errors import ArtifactError
-from calm_core.hashing import sha256_file
+from calm_core.hashing import folder_index, index_mismatch, sha256_file
 from calm_core.prompts import AnswerFormatName
 from calm_core.semantic import SemanticCalibration
 
@@ -35,6 +36,18 @@ MANIFEST_FILE = "manifest.json"
 ADAPTER_DIR = "adapter"
 VERSION_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # an artifact version's name: no separators, no `..`
 FREE_FORM_DIR = "free_form"  # inside a multiple-choice artifact: the artifact that serves free-form answers
+
+
+def check_version_name(version: object) -> str:
+    """`version` if it can name a version: a version is a folder wherever it is kept (`<registry>/<version>/`, caches,
+    a registry URL), so one path component, never `.`, `..` or a path; ValueError otherwise."""
+    if not isinstance(version, str) or not re.fullmatch(VERSION_NAME, version):
+        raise ValueError(f"{version!r} is not an artifact version name (1-128 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit)")
+    return version
+
+
+VersionName = Annotated[str, AfterValidator(check_version_name)]
 
 
 class BaseModelRef(BaseModel):
@@ -75,7 +88,7 @@ class Recalibration(BaseModel):
 
 class ArtifactManifest(BaseModel):
     format_version: int = FORMAT_VERSION
-    artifact_version: str
+    artifact_version: VersionName
     head_kind: HeadKind
     head_sha256: str
     base_model: BaseModelRef
@@ -93,7 +106,10 @@ class ArtifactManifest(BaseModel):
     reference_histograms: dict[str, ReferenceHistogram] = {}
     has_adapter: bool = False
     # The free-form artifact inside FREE_FORM_DIR (its version), when this one serves both kinds of answer.
-    free_form_version: str | None = None
+    free_form_version: VersionName | None = None
+    # sha256 of the artifact's other files ("adapter/adapter_model.safetensors": …), checked on load like head_sha256;
+    # None in manifests written before files were recorded (the registry records them on its copy).
+    files: dict[str, str] | None = None
     # Free-form answers' semantic confidence: how samples are drawn and the map from agreement to probability (fitted
     # by `calm artifact fit-semantic`; absent: the unfitted defaults).
     semantic: SemanticCalibration | None = None
@@ -127,7 +143,7 @@ def save_artifact(
 ) -> ArtifactManifest:
     """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""
     head.check_vocab(tokenizer.vocab_size)
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, durable=True) as tmp:
         head_path = tmp / HEAD_FILE
         save_file({"scale": head.scale, "shift": head.shift}, str(head_path))
         if adapter_dir is not None:
@@ -146,16 +162,35 @@ def save_artifact(
             metrics=metrics or {},
             reference_histograms=reference_histograms or {},
             has_adapter=adapter_dir is not None,
+            files=_own_files(tmp),
         )
-        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
     return manifest
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+def _own_files(folder: Path) -> dict[str, str]:
+    """The hashes a manifest records: its adapter's files (the head has head_sha256, a free-form mode its manifest)."""
+    adapter = folder / ADAPTER_DIR
+    found = folder_index(adapter) if adapter.is_dir() else {}
+    return {f"{ADAPTER_DIR}/{name}": digest for name, digest in found.items()}
+
+
+def _check_files(path: Path, manifest: ArtifactManifest) -> None:
+    if manifest.files is None:  # written before files were recorded: its adapter cannot be checked
+        return
+    if manifest.has_adapter and not any(name.startswith(f"{ADAPTER_DIR}/") for name in manifest.files):
+        raise ArtifactError(f"{path}: the manifest records no hash of the adapter's files")
+    bad = index_mismatch(path, manifest.files)
+    if bad is not None:
+        raise ArtifactError(f"artifact {path}: {bad}, not as its manifest records (corrupt or edited)")
+
+
+def record_files(path: str | Path) -> None:
+    """Record the hashes of an artifact's files (and its free-form mode's) where its manifest was written before they
+    were recorded; a manifest that records them is left alone."""
+    for folder in (Path(path), Path(path) / FREE_FORM_DIR):
+        if (folder / MANIFEST_FILE).is_file() and read_manifest(folder).get("files") is None:
+            update_manifest(folder, files=_own_files(folder))
 
 
 class LoadedArtifact(BaseModel, arbitrary_types_allowed=True):
@@ -206,6 +241,7 @@ def load_artifact(
         raise ArtifactError(f"{path}: artifact format {manifest.format_version} is not supported (expected {FORMAT_VERSION})")
     if sha256_file(head_path) != manifest.head_sha256:
         raise ArtifactError(f"{head_path}: contents do not match the hash in the manifest (corrupt or edited)")
+    _check_files(path, manifest)
     try:
         tensors = load_file(str(head_path))
         head = AlphaHead(np.asarray(tensors["scale"]), np.asarray(tensors["shift"]))
@@ -250,10 +286,11 @@ def attach_free_form(multiple_choice: str | Path, free_form: str | Path, out: st
     manifest = mc.manifest.model_copy(update={
         "artifact_version": new_version_id(mc.manifest.method), "free_form_version": ff.manifest.artifact_version,
         "reference_histograms": histograms, "created_at": datetime.now(timezone.utc).isoformat()})
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, durable=True) as tmp:
         _copy_parts(mc.path, tmp, (HEAD_FILE, ADAPTER_DIR))
         shutil.copytree(ff.path, tmp / FREE_FORM_DIR, ignore=shutil.ignore_patterns(FREE_FORM_DIR))
-        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        record_files(tmp / FREE_FORM_DIR)
+        _write_manifest(tmp, manifest)
     return manifest
 
 
@@ -264,10 +301,17 @@ def derive_version(parent: str | Path, out: str | Path, method: str, **changes) 
     manifest = ArtifactManifest.model_validate({**src.manifest.model_dump(), **changes,
                                                 "artifact_version": new_version_id(method),
                                                 "created_at": datetime.now(timezone.utc).isoformat()})
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, durable=True) as tmp:
         _copy_parts(src.path, tmp, (HEAD_FILE, ADAPTER_DIR, FREE_FORM_DIR))
-        _write_synced(tmp / MANIFEST_FILE, manifest.model_dump_json(indent=2))
+        record_files(tmp / FREE_FORM_DIR)
+        _write_manifest(tmp, manifest)
     return manifest
+
+
+def _write_manifest(folder: Path, manifest: ArtifactManifest) -> None:
+    """A manifest with the hashes of the files the folder holds (copied from a parent, checked when it was loaded)."""
+    manifest = manifest.model_copy(update={"files": _own_files(folder)})
+    (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
 
 
 def _copy_parts(src: Path, dst: Path, names: tuple[str, ...]) -> None:
@@ -289,7 +333,5 @@ def update_manifest(path: str | Path, **fields) -> ArtifactManifest:
     path = Path(path)
     manifest = ArtifactManifest.model_validate_json((path / MANIFEST_FILE).read_text(encoding="utf-8"))
     manifest = ArtifactManifest.model_validate({**manifest.model_dump(), **fields})
-    tmp = path / f".{MANIFEST_FILE}.{uuid.uuid4().hex[:8]}"
-    _write_synced(tmp, manifest.model_dump_json(indent=2))
-    os.replace(tmp, path / MANIFEST_FILE)
+    atomic_write_text(path / MANIFEST_FILE, manifest.model_dump_json(indent=2))
     return manifest

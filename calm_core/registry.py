@@ -6,17 +6,18 @@ kept with the reason), `retired` (served once, replaced). One version is active 
 served by the global default (domain `*`). Every activation is kept in a history, so a rollback returns a domain to
 the version it had before, and an operator can see who switched what when.
 
-A version's folder is copied in atomically before its row is written: a reader never finds a row without a complete
-folder, and a crash between the two leaves only an unlisted folder that the next registration of that version reuses.
+A version's folder is copied in atomically and durably (fsynced before its row is written): a reader never finds a row
+without a complete folder, and a crash between the two leaves only an unlisted folder that the next registration of
+that version reuses if it checks out, else copies again. Every file of a version is checked against the hashes its
+manifest records whenever it is loaded (calm_core/artifact.py); an artifact written before the adapter's hashes were
+recorded gets them recorded on the registry's copy.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -24,10 +25,10 @@ from pathlib import Path
 
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, select, update
 
-from calm_core.artifact import load_artifact
-from calm_core.atomic import atomic_dir
+from calm_core.artifact import load_artifact, record_files
+from calm_core.atomic import atomic_dir, atomic_write_text
 from calm_core.db import Database
-from calm_core.errors import CalmError
+from calm_core.errors import ArtifactError, CalmError
 from calm_core.registry_mirror import RegistryMirror
 
 GLOBAL = "*"
@@ -127,14 +128,11 @@ class Registry:
         db.create_tables(META)
 
     def publish_served(self, versions: Iterable[str]) -> None:
-        """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other."""
+        """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other,
+        fsynced, so that an engine restarting after a power loss loads what the gateways serve."""
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{SERVED_FILE}.")
         text = json.dumps({"versions": sorted(set(versions)), "at": time.time()})
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, self.root / SERVED_FILE)
+        atomic_write_text(self.root / SERVED_FILE, text)
         if self.mirror is not None:
             self.mirror.write_text(SERVED_FILE, text)
 
@@ -199,11 +197,14 @@ class Registry:
         existing = self.get(version)
         if existing is not None:
             return existing
-        target = self.root / version
-        if not (target / "manifest.json").is_file():
-            with atomic_dir(target) as tmp:
+        target = self.root / version  # one path component: the manifest's version name is checked on load
+        try:
+            load_artifact(target)  # an earlier registration's copy, its row never written
+        except ArtifactError:
+            with atomic_dir(target, durable=True) as tmp:
                 shutil.copytree(artifact_dir, tmp, dirs_exist_ok=True)
-        load_artifact(target)  # the copy verifies like the original
+                record_files(tmp)
+            load_artifact(target)  # the copy verifies like the original
         if self.mirror is not None:  # before the row: a registered version is always there to fetch
             self.mirror.upload(version, target)
         row = dict(version=version, path=str(target.resolve()), status="candidate", domain=domain, parent=parent,

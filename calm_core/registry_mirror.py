@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from calm_core.artifact import check_version_name
 from calm_core.atomic import atomic_dir
 from calm_core.errors import CalmError
-from calm_core.hashing import sha256_file
+from calm_core.hashing import folder_index, sha256_file
 
 INDEX_FILE = "calm-index.json"
 
@@ -41,20 +42,26 @@ class RegistryMirror:
     def _key(self, *parts: str) -> str:
         return "/".join([self.base, *parts])
 
+    def _version(self, version: str) -> str:
+        """A version names a folder here and on the store: one path component, never a path out of either."""
+        try:
+            return check_version_name(version)
+        except ValueError as e:
+            raise MirrorError(str(e)) from None
+
     def upload(self, version: str, folder: Path) -> None:
         """Every file of the version's folder, then its index; a version already there (indexed) is left alone."""
-        if self.fs.exists(self._key(version, INDEX_FILE)):
+        if self.fs.exists(self._key(self._version(version), INDEX_FILE)):
             return
-        files = sorted(p for p in folder.rglob("*") if p.is_file())
-        index = {str(p.relative_to(folder)): sha256_file(p) for p in files}
-        for p in files:
-            self.fs.put_file(str(p), self._key(version, str(p.relative_to(folder))))
+        index = folder_index(folder)
+        for name in index:
+            self.fs.put_file(str(folder / name), self._key(version, name))
         self.fs.pipe_file(self._key(version, INDEX_FILE), json.dumps({"files": index}).encode())
 
     def download(self, version: str, local_root: Path) -> Path | None:
         """The version's local folder, fetched and checked if it is not there yet; None when the URL has no such
         (complete) version."""
-        target = local_root / version
+        target = local_root / self._version(version)
         if (target / INDEX_FILE).is_file() or (target / "manifest.json").is_file():
             return target  # fetched before, or registered from this folder
         try:
@@ -63,7 +70,7 @@ class RegistryMirror:
             return None
         except (OSError, ValueError, KeyError) as e:
             raise MirrorError(f"{self.url}/{version}: unreadable index ({type(e).__name__}: {e})") from None
-        with atomic_dir(target, keep_existing=True) as tmp:
+        with atomic_dir(target, keep_existing=True, durable=True) as tmp:
             for name, digest in index.items():
                 path = tmp / name
                 if ".." in Path(name).parts or Path(name).is_absolute():

@@ -7,9 +7,11 @@ transaction is in progress goes into the next one, so a burst of N requests cost
 request still costs exactly one, with no added wait.
 
 A request alone in the gateway (concurrency 1) writes on the event loop instead, where SQLite's lock is free at once
-(`write_at_once`): nothing else waits on the loop then, and the hop to a thread and back cost more than the write (no
-fsync: SQLite's WAL with synchronous=NORMAL) and ran beside the request's next upstream call
-(benchmarks/bench_request_stages.py). With company, a write on the loop would stall the others and end group commit.
+(`write_at_once`): nothing else waits on the loop then, and the hop to a thread and back cost more than the write and
+ran beside the request's next upstream call (benchmarks/bench_request_stages.py). That was measured with SQLite's
+synchronous=NORMAL (no fsync per commit); since synchronous=FULL (calm_core/db.py: an acknowledged write survives a
+power loss) each commit also fsyncs the WAL, on the loop in this path, not measured yet. With company, a write on the
+loop would stall the others and end group commit.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):
 def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_path, shipped_artifact):
     """A version with an adapter: its merged copy from the cache once a gateway built it, else None (offline scoring
     then merges into a temporary folder); a version without one: the base model."""
-    from adapters.merged_weights import built_merged_dir
+    from adapters.merged_weights import built_merged_dir, write_cache_index
     from calm_core.artifact import load_artifact
     from training.artifacts import write_identity_artifact
 
@@ -182,6 +182,8 @@ def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_p
     built.mkdir(parents=True)
     assert built_merged_dir("/base", shipped_artifact) is None  # a folder without config.json is a merge cut short
     (built / "config.json").write_text("{}")
+    assert built_merged_dir("/base", shipped_artifact) is None  # nor one whose files' hashes were never recorded
+    write_cache_index(built)
     assert built_merged_dir("/base", shipped_artifact) == built
     identity = load_artifact(tmp_path / "identity")
     assert identity.adapter_dir is None and str(built_merged_dir("/base", identity)) == "/base"

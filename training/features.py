@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from calm_core.data import MCQuestion
 from calm_core.splits import ROLES, MaterializedSplit
 from training.answer_formats import AnswerFormat
+from training.cloze import PackedQuestion
 
 
 @dataclass
@@ -52,7 +53,10 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
     key = _key(weights_id, first_trained, fmt.name, [fmt.fingerprint(tokenizer, q) for q in flat])
     path = cache_dir / f"prefix-{fmt.name}-{key}.pt"
     if path.is_file():
-        items = torch.load(path, weights_only=False)
+        # Tensors, plain values and the packed questions of cloze and free-form formats, nothing else: a cache file
+        # is data, never code (a full unpickler would run whatever a file put there).
+        with torch.serialization.safe_globals([PackedQuestion]):
+            items = torch.load(path, weights_only=True)
     else:
         with Progress(TextColumn(f"encoding frozen layers ({fmt.name})"), BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn()) as bar:

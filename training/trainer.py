@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import tempfile
 import time
@@ -267,8 +268,8 @@ class Trainer:
             "theta": [p.detach().clone() for p in self.theta], "alpha": self.alpha.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "streams": {"train": self.train_stream.state(), "calib": self.calib_stream.state()},
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "history": self.history,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": _numpy_rng_state()},
+            "history": json.loads(json.dumps(self.history)),  # plain floats: numpy ones do not load as weights only
         }
         tmp = self.out / f"{CHECKPOINT}.{os.getpid()}.tmp"
         torch.save(state, tmp)
@@ -282,13 +283,13 @@ class Trainer:
         path = self.out / CHECKPOINT
         if not path.is_file():
             return False
-        state = torch.load(path, weights_only=False)
+        state, problem = _read_checkpoint(path)
         now = self.cfg.model_dump()
-        changed = sorted(k for k in set(state["config"]) | set(now) if state["config"].get(k) != now.get(k))
-        problem = None
-        if set(changed) - RESUMABLE_CHANGES:
+        saved = state["config"] if state is not None else now
+        changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        if state is not None and set(changed) - RESUMABLE_CHANGES:
             problem = f"was written by a different configuration ({', '.join(changed)})"
-        elif state["step"] > self.cfg.steps:
+        elif state is not None and state["step"] > self.cfg.steps:
             problem = f"is at step {state['step']}, past the configured {self.cfg.steps} steps"
         if problem and restart_if_mismatched:
             log.warning("%s %s: starting this run over", path, problem)
@@ -307,7 +308,7 @@ class Trainer:
         self.calib_stream.load(state["streams"]["calib"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        np.random.set_state(_numpy_rng_from(state["rng"]["numpy"]))
         self.step, self.history = state["step"], state["history"]
         return True
 
@@ -368,6 +369,25 @@ def _ids_hash(questions) -> str:
     import hashlib
 
     return hashlib.sha256("\n".join(q.id for q in questions).encode()).hexdigest()
+
+
+def _read_checkpoint(path: Path) -> tuple[dict | None, str | None]:
+    """The checkpoint's state, or why it cannot be read: tensors and plain values only, since a checkpoint is data and
+    a full unpickler would run whatever code a file names (checkpoints written before this rule hold numpy arrays)."""
+    try:
+        return torch.load(path, weights_only=True), None
+    except pickle.UnpicklingError:
+        return None, "holds more than tensors and plain values"
+
+
+def _numpy_rng_state() -> dict:
+    """numpy's global generator state as plain values (its own holds an array, which a weights-only load refuses)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _numpy_rng_from(state: dict) -> tuple:
+    return (state["name"], np.asarray(state["keys"], dtype=np.uint32), state["pos"], state["has_gauss"], state["cached"])
 
 
 def _seed_everything(seed: int) -> None:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from fastapi import Path as FastAPIPath
 
+from calm_core.artifact import VERSION_NAME
 from calm_core.capture import CaptureSettings
 from calm_core.jobs import FINISHED, OPEN
 from calm_core.registry import GLOBAL, STATUSES, RegistryError
@@ -19,8 +20,7 @@ from gateway.retraining import jobs_from_alerts
 from gateway.routers.deps import DOMAIN_PATTERN, admin, documented, served_domain, state
 from gateway.state import GatewayState
 
-VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
-Version = Annotated[str, FastAPIPath(pattern=VERSION_PATTERN)]
+Version = Annotated[str, FastAPIPath(pattern=VERSION_NAME)]  # a version is a folder's name: one path component
 Domain = Annotated[str, FastAPIPath(pattern=DOMAIN_PATTERN, description="lower-case letters, digits, '_' or '-'")]
 JOB_STATUSES = "^(" + "|".join(OPEN + FINISHED) + ")$"
 router = APIRouter(dependencies=[Depends(admin)])
