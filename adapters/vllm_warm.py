@@ -53,11 +53,22 @@ def served_list(root: Path) -> list[str]:
         return []
 
 
+def server_key(scope: dict) -> str | None:
+    """The key this server requires on /v1 (vLLM's --api-key, which takes precedence, else VLLM_API_KEY, as vLLM reads
+    them): the requests below pass through vLLM's authentication like any other."""
+    args = getattr(getattr(scope.get("app"), "state", None), "args", None)
+    keys = getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]
+    return next((key for key in keys if key), None)
+
+
 async def call(app, scope: dict, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
     """One request through the ASGI app inside this process (`scope`: a request's, for the app and its state)."""
     payload = json.dumps(body).encode() if body is not None else b""
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if key := server_key(scope):
+        headers.append((b"authorization", f"Bearer {key}".encode()))
     inner = {**scope, "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]}
+             "headers": headers}
     delivered, status, chunks = False, 0, []
 
     async def receive():

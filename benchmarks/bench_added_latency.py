@@ -146,7 +146,7 @@ def main() -> None:
                   "CALM_DB_PATH": str(logs / "gateway.sqlite3"), "CALM_REGISTRY_DIR": str(registry)}
         stack.enter_context(running(["taskset", "-c", "0", *calm_argv("serve", "--port", str(gw))], f"{gateway}/health",
                                     logs / "gateway.log", env=gw_env))
-        head = httpx.get(f"{gateway}/health").json()["artifact_version"]
+        head = httpx.get(f"{gateway}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["artifact_version"]
         client = stack.enter_context(httpx.Client(timeout=120))
         for q in questions[:4]:  # warm-up
             for name, (path, body) in variants(tokenizer, q, head).items():

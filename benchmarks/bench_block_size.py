@@ -75,7 +75,7 @@ def main() -> None:
     urls = {b: f"http://127.0.0.1:{ports[b]}" for b in BLOCKS}
     with running(*gateway(BLOCKS[0], ports[BLOCKS[0]], logs)), running(*gateway(BLOCKS[1], ports[BLOCKS[1]], logs)):
         for b in BLOCKS:
-            health = httpx.get(f"{urls[b]}/health").json()
+            health = httpx.get(f"{urls[b]}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
             assert health["engine"]["block_size"] == b, health["engine"]
             asyncio.run(ask_all(f"{urls[b]}/v1/chat/completions", [body(q) for q in sets[0][-4:]], 4))  # warm-up
         for r in range(args.rounds):

@@ -79,7 +79,7 @@ def one_run(way: str, mc: list, ff: list, work: Path, index: int) -> dict:
     env = {**WAYS[way], "CALM_DB_PATH": str(work / f"gateway-{index}.sqlite3")}
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health/ready", work / f"gateway-{index}.log", env,
                  timeout=600) as proc:
-        engine = httpx.get(f"{base}/health").json()["engine"]
+        engine = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]
         threads = engine["threads"] or "1-" + str(engine["core_share"]["cpus"])  # shared: a team per step
         policy = engine["omp_wait_policy"] or "libgomp default"
         option_probabilities(base, mc[0]), free_answer(base, ff[0])  # warm-up

@@ -36,7 +36,7 @@ POLICIES = {
     "annotated": {"threshold": 0.1, "action": "annotate"},
     # The instant upstream answers at confidence exp(-0.5) = 0.61: above 0.1, never escalated. The target is never
     # called (a closed port: a call would show up as a fallback in the check below).
-    "escalated": {"threshold": 0.1, "action": "escalate", "escalate": {"url": "http://127.0.0.1:9/v1", "model": "strong",
+    "escalated": {"threshold": 0.1, "action": "escalate", "escalate": {"target": "closed", "model": "strong",
                                                                        "timeout_s": 5}},
 }
 
@@ -89,7 +89,8 @@ def main() -> None:
     port, gw = free_port(), free_port()
     upstream, url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{gw}"
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": json.dumps([upstream]), "CALM_ARTIFACT": str(identity),
-           "CALM_DB_PATH": str(logs / "gateway.sqlite3"), "CALM_DOMAINS": json.dumps(list(POLICIES))}
+           "CALM_DB_PATH": str(logs / "gateway.sqlite3"), "CALM_DOMAINS": json.dumps(list(POLICIES)),
+           "CALM_TARGETS": json.dumps({"closed": {"url": "http://127.0.0.1:9/v1", "private": True}})}
     (logs / "gateway.sqlite3").unlink(missing_ok=True)
     results = {}
     with ExitStack() as stack:

@@ -127,7 +127,7 @@ def main() -> None:
                 time.sleep(args.settle)
                 promoted = time.monotonic()
                 registry.promote(version, "science", actor="bench")
-                while http.get(f"{base}/health").json()["versions"]["routes"].get("science") != version:
+                while http.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["versions"]["routes"].get("science") != version:
                     time.sleep(0.2)
                 switched = time.monotonic()
                 print(f"round {i + 1}: science switched to {version} after {switched - promoted:.1f} s", flush=True)

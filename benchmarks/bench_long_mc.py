@@ -71,7 +71,7 @@ def main() -> None:
         with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health",
                      logs / f"long-mc-{reuse}.log", env=env, timeout=300):
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            scoring = httpx.get(f"http://127.0.0.1:{port}/health").json()["scoring"]["multiple_choice"]
+            scoring = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["scoring"]["multiple_choice"]
             asyncio.run(ask_all(url, bodies[-4:], 4))  # warm-up (the shortest four, asked again below)
             probs[name], latencies, wall = asyncio.run(ask_all(url, bodies, CONCURRENCY))
         results["paths"][name] = {"scoring": scoring, "rps": len(bodies) / wall,

@@ -69,7 +69,7 @@ def main() -> None:
         env = {"CALM_DB_PATH": str(logs / f"one-pass-{name}.sqlite3"), "CALM_ONE_PASS_SCORING": one_pass}
         with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health",
                      logs / f"one-pass-{name}.log", env=env, timeout=300):
-            health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+            health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             asyncio.run(ask_all(url, bodies[:4], 4))  # warm-up
             probs[name], latencies, wall = asyncio.run(ask_all(url, bodies, CONCURRENCY))

@@ -435,6 +435,7 @@ def serve(
 
     from calm_cli.serving import build_gateway
     from calm_core.startup import StartupLog, stage
+    from gateway.http_server import server_config
     from gateway.starting import StartingApp
 
     progress = StartupLog().install()
@@ -448,11 +449,7 @@ def serve(
     starting = StartingApp(lambda: build_gateway(settings), doing=lambda: f"{progress.current} ({progress.elapsed():.0f} s)")
     # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
     # closes the engine and the database; every write was awaited before its response, so none is pending.
-    # No proxy-headers layer: the gateway never reads the client's address, and the layer wraps every request.
-    server = uvicorn.Server(uvicorn.Config(starting, host=settings.host, port=settings.port, log_level="info",
-                                           access_log=False, loop="uvloop", http="httptools", proxy_headers=False,
-                                           timeout_graceful_shutdown=int(settings.drain_s) or None,
-                                           timeout_keep_alive=settings.keep_alive_s))
+    server = uvicorn.Server(server_config(starting, settings))
     starting.on_ready = lambda: stage(f"ready on {url} after {progress.elapsed():.1f} s")
     starting.on_failure = lambda: setattr(server, "should_exit", True)
     server.run()

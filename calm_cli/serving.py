@@ -142,7 +142,8 @@ def upstream_engine(settings, artifact):
         settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version, settings.max_model_len,
         settings.upstream_timeout_s, settings.upstream_connect_timeout_s, has_adapter=artifact.manifest.has_adapter,
         free_form_mode=free_form is not None, free_form_adapter=free_form is not None and free_form.manifest.has_adapter,
-        engine_urls=settings.upstream_engine_urls or None, answer_timeout_s=settings.request_deadline_s)
+        engine_urls=settings.upstream_engine_urls or None, answer_timeout_s=settings.request_deadline_s,
+        api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key is not None else None)
 
 
 def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str], str]:

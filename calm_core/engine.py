@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -143,9 +144,41 @@ class EngineFactory(Protocol):
     def __call__(self, base_model: str, artifact_dir: str) -> AbstractAsyncContextManager[EngineClient]: ...
 
 
+class EngineWorkExceeded(Exception):
+    """One client request would start more engine sequences than its budget allows."""
+
+
+class EngineBudget:
+    """How many engine sequences (a request's `n` each) one client request may start: per-token option scoring,
+    semantic samples, read-backs and several prompts multiply one request into many, and without a bound one call could
+    queue tens of thousands of engine requests. The gateway sets one per client request (`engine_budget`); the asyncio
+    tasks a scorer fans out to share it, as they share the context they were created in."""
+
+    def __init__(self, limit: int):
+        self.limit, self.spent = limit, 0
+
+    def spend(self, sequences: int) -> None:
+        if self.spent + sequences > self.limit:
+            raise EngineWorkExceeded(f"this request needs more than {self.limit} engine sequences (options x option "
+                                     "tokens, samples, n and prompts multiply): ask for fewer")
+        self.spent += sequences
+
+
+engine_budget: ContextVar[EngineBudget | None] = ContextVar("engine_budget", default=None)
+
+
+def charged(request: EngineRequest) -> EngineRequest:
+    """The request, counted against the client request's engine budget (none set: offline work, uncounted)."""
+    budget = engine_budget.get()
+    if budget is not None:
+        budget.spend(request.n)
+    return request
+
+
 async def whole_answer(engine: EngineClient, request: EngineRequest) -> list[EngineDelta]:
     """Every piece of a request's output, asked for whole where the engine offers it (`generate_whole`: an upstream
     server formats one response instead of one per token), else collected from its stream."""
+    charged(request)
     whole = getattr(engine, "generate_whole", None)
     if whole is not None:
         return await whole(request)

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from calm_core.engine import EngineRejected, EngineUnavailable
+from calm_core.engine import EngineRejected, EngineUnavailable, EngineWorkExceeded
 from gateway.protocol.common import NONBLANK, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("calm.gateway")
@@ -75,6 +75,8 @@ def classify(exc: BaseException) -> ErrorClass:
         return ErrorClass(exc.status, exc.type, exc.message, exc.param, exc.code, exc.retry_after_s)
     if isinstance(exc, EngineRejected):
         return ErrorClass(400, "invalid_request_error", str(exc))
+    if isinstance(exc, EngineWorkExceeded):
+        return ErrorClass(400, "invalid_request_error", f"{exc} (CALM_MAX_ENGINE_SEQUENCES)", code="engine_work_exceeded")
     if isinstance(exc, EngineUnavailable):
         return ErrorClass(503, "service_unavailable_error", f"model engine unavailable: {exc}", retry_after_s=5)
     if isinstance(exc, (OperationalError, InterfaceError)):
@@ -85,8 +87,16 @@ def classify(exc: BaseException) -> ErrorClass:
     return ErrorClass(500, "internal_server_error", "internal error; it has been logged", unexpected=True)
 
 
+def status_code_name(status: int) -> str:
+    """The `code` of an error with no more specific one: its HTTP status spelled as OpenAI spells codes, a string like
+    every other code ("not_found", "method_not_allowed"), so a client compares one type."""
+    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else f"status {status}"
+    return phrase.lower().replace("-", "_").replace(" ", "_")
+
+
 def error_body(status: int, message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code or status)).model_dump()
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param,
+                                         code=code or status_code_name(status))).model_dump()
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,

@@ -28,6 +28,7 @@ from gateway.peer import HOP_HEADER, hop_value
 from gateway.policies import EscalationTarget
 from gateway.prompting import options_of
 from gateway.protocol.openai import ChatCompletionRequest, SamplingFields
+from gateway.targets import PRIVATE_EXTENSION, AddressRefused, GuardedTransport, Target, Targets
 
 # Fields of the caller's request that belong to this gateway (routing, versions, options handled below, streaming:
 # the target answers whole, the caller's stream is written from that answer).
@@ -35,7 +36,8 @@ _OWN_FIELDS = {"calm", "options", "stream", "stream_options", "model", "n"}
 
 
 class TargetFailed(Exception):
-    """The target gave no usable answer; `reason` is the metric label (timeout, connect, status, invalid, api_key).
+    """The target gave no usable answer; `reason` is the metric label (timeout, connect, address, status, invalid,
+    api_key, target).
     `detail` is for the gateway's log only: a caller is told `public` (the upstream's or transport's own text, or a
     secret's, never reaches a caller)."""
 
@@ -50,7 +52,9 @@ class TargetFailed(Exception):
 
 _PUBLIC_REASONS = {"timeout": "the target did not answer in time", "connect": "the target could not be reached",
                    "status": "the target refused the request", "invalid": "the target's answer could not be used",
-                   "api_key": "the target's API key is not available on this gateway"}
+                   "api_key": "the target's API key is not available on this gateway",
+                   "address": "the target's address is not one this gateway may call",
+                   "target": "the target is not one the operator named"}
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,20 @@ class TargetAnswer:
     abstained: bool | None = None  # a CALM target withheld its own answer under its policy
 
 
-def target_request(req: SamplingFields, target: EscalationTarget, n: int,
+def target_request(req: SamplingFields, model: str, protocol: str, n: int,
                    multiple_choice: bool) -> tuple[str, dict]:
-    """The path under the target's base URL and the JSON body: the caller's request for `n` choices of the target's
-    model. Multiple choice never asks for log-probs (the answer is a letter, not the target's tokens)."""
+    """The path under the target's base URL and the JSON body: the caller's request for `n` choices of `model` there.
+    Multiple choice never asks for log-probs (the answer is a letter, not the target's tokens)."""
     chat = isinstance(req, ChatCompletionRequest)
     body = req.model_dump(mode="json", by_alias=True, exclude_none=True, exclude=_OWN_FIELDS)
-    body.update(model=target.model, n=n, stream=False)
+    body.update(model=model, n=n, stream=False)
     body.setdefault("temperature", 0.0)  # omitted, this gateway answers greedily (vLLM would sample at 1.0)
-    if target.protocol == "openai":
+    if protocol == "openai":
         body.pop("metadata", None)  # the gateway's routing (domain); OpenAI's own API ties it to stored completions
     if multiple_choice:
         for name in ("logprobs", "top_logprobs", "echo"):
             body.pop(name, None)
-    if req.options and target.protocol == "calm":
+    if req.options and protocol == "calm":
         body["options"] = list(req.options)
     elif req.options:
         lettered = letter_user_message(req.question_text(), req.options)
@@ -85,7 +89,7 @@ def target_request(req: SamplingFields, target: EscalationTarget, n: int,
             body["messages"][last] = {**body["messages"][last], "content": lettered}
         else:
             body["prompt"] = lettered + "\nAnswer: "
-    if target.protocol == "calm" and req.calm is not None:
+    if protocol == "calm" and req.calm is not None:
         calm = req.calm.model_dump(exclude_none=True, exclude={"version"})  # a version names this gateway's registry
         if calm:
             body["calm"] = calm
@@ -155,8 +159,8 @@ def read_reply(payload: dict, n: int, chat: bool, letters: tuple[str, ...] | Non
     return answers
 
 
-def api_key(target: EscalationTarget) -> str | None:
-    """The target's key, read at call time (rotated keys apply at once; the policy table holds only its source)."""
+def api_key(target: Target) -> str | None:
+    """The target's key, read at call time (rotated keys apply at once; the operator's settings hold its source)."""
     if target.api_key_env:
         value = os.environ.get(target.api_key_env)
         if not value:
@@ -175,36 +179,57 @@ def api_key(target: EscalationTarget) -> str | None:
     return None
 
 
-class Escalator:
-    """Calls escalation targets over one pooled HTTP client (opened on first use, closed with the gateway)."""
+def operator_target(targets: Targets, policy: EscalationTarget) -> Target:
+    """The operator's target a policy names (TargetFailed when the operator lists none by that name or URL)."""
+    found = targets.find(policy.target, policy.legacy_url)
+    if found is None:
+        named = policy.target or f"the URL {policy.legacy_url} (a policy stored before targets were named)"
+        raise TargetFailed("target", f"{named} is not one of the operator's targets (CALM_TARGETS)")
+    return found
 
-    def __init__(self, peer_secret: str | None = None):
+
+def call_headers(target: Target) -> dict[str, str]:
+    key = api_key(target)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+class Escalator:
+    """Calls the operator's targets over one pooled HTTP client (opened on first use, closed with the gateway), through
+    the transport that refuses addresses a target may not reach."""
+
+    def __init__(self, peer_secret: str | None = None, targets: Targets | None = None):
         self._client: httpx.AsyncClient | None = None
-        self.peer_secret = peer_secret
+        self.peer_secret, self.targets = peer_secret, targets or Targets()
 
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=256))
+            self._client = httpx.AsyncClient(transport=GuardedTransport(
+                httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256))))
         return self._client
 
-    async def ask(self, target: EscalationTarget, req: SamplingFields, n: int,
+    async def post(self, target: Target, url: str, timeout_s: float, **kwargs) -> httpx.Response:
+        """One call to an operator's target, its address checked, given up after `timeout_s` whatever it does."""
+        async with asyncio.timeout(timeout_s):
+            return await self.client.post(url, timeout=timeout_s, extensions={PRIVATE_EXTENSION: target.private},
+                                          **kwargs)
+
+    async def ask(self, policy: EscalationTarget, req: SamplingFields, n: int,
                   letters: tuple[str, ...] | None) -> list[TargetAnswer]:
-        """The target's answers, or TargetFailed once `target.timeout_s` has passed, whatever the target does."""
-        path, body = target_request(req, target, n, letters is not None)
+        """The target's answers, or TargetFailed once `policy.timeout_s` has passed, whatever the target does."""
+        target = operator_target(self.targets, policy)
+        path, body = target_request(req, policy.model, target.protocol, n, letters is not None)
         content = json.dumps(body).encode()  # the exact bytes the hop signs
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **call_headers(target)}
         if target.protocol == "calm" and self.peer_secret:
             headers[HOP_HEADER] = hop_value(self.peer_secret, content)
-        key = api_key(target)
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
         try:
-            async with asyncio.timeout(target.timeout_s):
-                response = await self.client.post(target.url.rstrip("/") + path, content=content, headers=headers,
-                                                  timeout=target.timeout_s)
+            response = await self.post(target, target.url.rstrip("/") + path, policy.timeout_s, content=content,
+                                       headers=headers)
         except (TimeoutError, httpx.TimeoutException):
-            raise TargetFailed("timeout", f"no answer within {target.timeout_s:g} s") from None
+            raise TargetFailed("timeout", f"no answer within {policy.timeout_s:g} s") from None
+        except AddressRefused as e:
+            raise TargetFailed("address", str(e)) from None
         except httpx.HTTPError as e:
             raise TargetFailed("connect", f"{type(e).__name__}: {e}") from None
         if response.status_code != 200:

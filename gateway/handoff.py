@@ -17,10 +17,10 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gateway.escalation import Escalator, TargetFailed
+from gateway.escalation import Escalator, TargetFailed, call_headers
 from gateway.handoff_store import HandoffStore, Review
 from gateway.monitoring import Metrics
-from gateway.policies import Action
+from gateway.policies import Action, ReviewTarget
 from gateway.protocol.openai import Escalation
 from gateway.wire import Answer, Served, no_positions
 
@@ -113,20 +113,23 @@ class Handoff:
         await asyncio.to_thread(self.store.open_reviews, reviews)  # stored before the caller hears of them
         self.metrics.reviews.labels(ctx.domain, "opened").inc(len(reviews))
         hook = ctx.policy.review
-        if hook is not None and hook.webhook:
+        if hook is not None and (hook.webhook or hook.legacy_url):
             for review in reviews:  # the caller does not wait for the operator's webhook
-                task = asyncio.get_running_loop().create_task(self._notify(hook.webhook, hook.timeout_s, review))
+                task = asyncio.get_running_loop().create_task(self._notify(hook, review))
                 self._webhooks.add(task)
                 task.add_done_callback(self._webhooks.discard)
 
-    async def _notify(self, url: str, timeout_s: float, review: Review) -> None:
+    async def _notify(self, hook: ReviewTarget, review: Review) -> None:
         body = {"review_id": review.id, "domain": review.domain, "response_id": review.response_id,
                 "request": review.request, "answer": review.answer, "answer_option": review.answer_option,
                 "confidence": review.confidence,
                 "created_at": review.created_at}
         try:
-            async with asyncio.timeout(timeout_s):
-                response = await self.escalator.client.post(url, json=body, timeout=timeout_s)
+            target = self.escalator.targets.find(hook.webhook, hook.legacy_url)
+            if target is None:
+                raise LookupError(f"{hook.webhook or hook.legacy_url} is not one of the operator's targets")
+            response = await self.escalator.post(target, target.url, hook.timeout_s, json=body,
+                                                 headers=call_headers(target))
             response.raise_for_status()
         except Exception as e:  # any failure: the review is in the database queue all the same
             self.metrics.review_webhook_errors.labels(review.domain).inc()

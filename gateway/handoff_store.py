@@ -5,7 +5,9 @@
   model, whose answer the caller did not see;
 - reviews: the queue an operator reads. Unlike every other table it holds text (the question and the first answer),
   since judging them is its purpose; a verdict closes the review and becomes the feedback of its response, a label
-  of the first model's answer at its confidence (online ECE, guaranteed-risk fits).
+  of the first model's answer at its confidence (online ECE, guaranteed-risk fits). The caller saw only the policy's
+  message, so its own feedback on that response is refused (gateway/routers/feedback.py), and the reviewer's verdict
+  replaces any the caller gave before that rule.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, select, update
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 
 from calm_core.prompts import LETTERS
 from calm_core.served_answers import judge
@@ -33,7 +35,7 @@ ESCALATIONS = Table("escalations", META,
 REVIEWS = Table("reviews", META,
                 Column("id", String(40), primary_key=True),
                 Column("domain", String(64), nullable=False, index=True),
-                Column("response_id", String(128), nullable=False),
+                Column("response_id", String(128), nullable=False, index=True),  # read for every feedback
                 Column("request", Text, nullable=False),
                 Column("answer", Text, nullable=False),
                 Column("confidence", Float, nullable=False),
@@ -70,6 +72,16 @@ class HandoffStore:
     def __init__(self, store: Store):
         self.db = store
         store.create_tables(META)
+        self._index_existing_reviews()
+
+    def _index_existing_reviews(self) -> None:
+        """A reviews table made before feedback looked reviews up by response has no index on it; create_tables leaves
+        an existing table as it is, so the index is added here."""
+        for index in REVIEWS.indexes:
+            try:
+                index.create(self.db.engine, checkfirst=True)
+            except (IntegrityError, ProgrammingError):  # another replica created it between the check and ours
+                pass
 
     # -- escalations ----------------------------------------------------------------------------------------------
     def record_escalations(self, rows: list[tuple[str, str, float, str, float | None]]) -> None:
@@ -112,6 +124,11 @@ class HandoffStore:
         with self.db.engine.connect() as c:
             return [_review(row) for row in c.execute(query).mappings()]
 
+    def review_of(self, response_id: str) -> str | None:
+        """The id of the review a response's answer was withheld for (open or closed), if any."""
+        with self.db.engine.connect() as c:
+            return c.execute(select(REVIEWS.c.id).where(REVIEWS.c.response_id == response_id).limit(1)).scalar()
+
     def review(self, review_id: str) -> Review | None:
         with self.db.engine.connect() as c:
             row = c.execute(select(REVIEWS).where(REVIEWS.c.id == review_id)).mappings().first()
@@ -119,21 +136,22 @@ class HandoffStore:
 
     def close_review(self, review_id: str, correct: bool, reviewer: str, note: str | None) -> bool | None:
         """Close a review with its verdict and store that verdict as its response's feedback, in one transaction.
-        True closed now, False already closed with the same verdict, None closed with another (a conflict)."""
+        True closed now, False already closed with the same verdict, None closed with another (a conflict).
+        Feedback a caller gave on the withheld answer before such feedback was refused is replaced, not a conflict:
+        the caller never saw the answer, and a review that could not close would stay in the queue for ever."""
         r = REVIEWS.c
-        try:
-            with self.db._write() as c:
-                row = c.execute(select(r.correct, r.response_id).where(r.id == review_id)).first()
-                if row is None:
-                    raise LookupError(review_id)
-                if row[0] is not None:
-                    return False if bool(row[0]) == correct else None
-                c.execute(update(REVIEWS).where(r.id == review_id).values(
-                    correct=int(correct), closed_at=time.time(), reviewer=reviewer, note=note))
-                c.execute(FEEDBACK.insert().values(response_id=row[1], correct=int(correct), at=time.time()))
-                judge(c, row[1], correct)
-        except IntegrityError:  # its response already had feedback (from the caller): the review stays open
-            return None
+        with self.db._write() as c:
+            # Locked: two replicas closing one review at once get closed-now and a conflict, not two verdicts.
+            row = c.execute(select(r.correct, r.response_id).where(r.id == review_id).with_for_update()).first()
+            if row is None:
+                raise LookupError(review_id)
+            if row[0] is not None:
+                return False if bool(row[0]) == correct else None
+            c.execute(update(REVIEWS).where(r.id == review_id).values(
+                correct=int(correct), closed_at=time.time(), reviewer=reviewer, note=note))
+            c.execute(delete(FEEDBACK).where(FEEDBACK.c.response_id == row[1]))
+            c.execute(FEEDBACK.insert().values(response_id=row[1], correct=int(correct), at=time.time()))
+            judge(c, row[1], correct)
         return True
 
 

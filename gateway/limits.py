@@ -4,16 +4,24 @@
   one more is answered 429 with Retry-After at once, not queued without bound in front of the engine;
 - deadline: a non-streaming request still running after `request_deadline_s` is abandoned (its engine request
   aborted) and answered 504;
-- body size: a request body over `max_body_bytes` is refused with 413 before it is read.
+- body size: a request body over `max_body_bytes` is refused with 413 before it is read;
+- engine work: one request starts at most `max_engine_sequences` engine sequences (calm_core.engine.EngineBudget);
+- streams: held to the same deadline from the request's start to the last chunk, and a client that stops reading
+  is disconnected after `stream_write_timeout_s` (its slots and engine requests freed, nothing buffered for it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
+from starlette.responses import StreamingResponse
+
 from gateway.errors import APIError, error_body
+
+log = logging.getLogger("calm.gateway")
 
 
 class InFlight:
@@ -61,8 +69,53 @@ class deadline:
         try:
             return await self._timeout.__aexit__(kind, exc, tb)
         except TimeoutError:
-            raise APIError(504, f"the request did not finish within {self.seconds:g} s (CALM_REQUEST_DEADLINE_S)",
-                           "timeout_error", code="deadline_exceeded") from None
+            raise _deadline_error(self.seconds) from None
+
+
+def _deadline_error(seconds: float) -> APIError:
+    return APIError(504, f"the request did not finish within {seconds:g} s (CALM_REQUEST_DEADLINE_S)", "timeout_error",
+                    code="deadline_exceeded")
+
+
+async def within_deadline(stream: AsyncIterator[str], end: float, seconds: float) -> AsyncIterator[str]:
+    """A stream held to its request's deadline (`end`, on the loop's clock) until its last chunk: past it the stream
+    is cancelled where it waits (its engine requests aborted) and 504 is raised, for the caller's error event. The
+    timeout never spans a `yield`, so it cancels only this stream's own wait."""
+    pieces = aiter(stream)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(end):
+                    piece = await anext(pieces)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise _deadline_error(seconds) from None
+            yield piece
+    finally:
+        await pieces.aclose()
+
+
+class WriteTimeoutStreamingResponse(StreamingResponse):
+    """A stream whose client has stopped reading is closed after `write_timeout_s` of a write that cannot proceed
+    (uvicorn's send waits while the socket's buffer is full): the generator is closed, so its slots and engine requests
+    are freed, instead of being held as long as the client likes."""
+
+    def __init__(self, content, write_timeout_s: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def bounded_send(message) -> None:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(bounded_send)
+        except TimeoutError:
+            log.warning("closed a stream whose client read nothing for %g s", self.write_timeout_s)
+        finally:
+            await self.body_iterator.aclose()
 
 
 class BodySizeLimit:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 
-from calm_core.engine import EngineClient, EngineOutput
+from calm_core.engine import EngineClient, EngineOutput, charged
 from calm_core.prompts import PreparedPrompt
 from calm_core.scorers.base import AnswerKind, ConfidenceMethod, Scorer, ScoredChoice, Scoring, ScoringJob, ScoringPath
 from calm_core.scorers.registry import Scorers
@@ -37,6 +37,7 @@ from gateway.protocol.openai import (
 from gateway.retraining import CaptureBook
 from gateway.settings import GatewaySettings, peer_secret
 from gateway.store import Store
+from gateway.targets import Targets
 from gateway.wire import Answer, Served, WireView, no_positions
 
 
@@ -95,7 +96,7 @@ class SharedParts:
         responses = GroupCommit(lambda rows: store.record_responses(rows),
                                 (lambda rows: store.record_responses(rows, wait=False)) if store.sqlite else None, alone)
         return cls(settings, tokenizer, store, monitor, policies, guarantees, capture, responses,
-                   Handoff(HandoffStore(store), monitor.metrics, Escalator(peer_secret(settings))))
+                   Handoff(HandoffStore(store), monitor.metrics, Escalator(peer_secret(settings), Targets(settings.targets))))
 
     def record_verdict(self, response_key: str, domain: str, correct: bool) -> bool | None:
         """Feedback on a stored answer, then the domain's online calibration and guarantee see it (blocking: call it
@@ -294,7 +295,7 @@ class CalibratedService:
 
     async def _token_chunks(self, ctx: RequestContext, deltas: list) -> AsyncIterator[str]:
         started = set()
-        async for delta in self.engine.stream(ctx.scorer.generation(ctx.job)):
+        async for delta in self.engine.stream(charged(ctx.scorer.generation(ctx.job))):
             deltas.append(delta)
             if delta.text or delta.token_ids:
                 positions = partial(self.positions, delta)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from enum import Enum
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, ValidationInfo, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from gateway.protocol.common import StrictInt
+from gateway.targets import TARGET_NAME, Targets
 
 from calm_core.risk_control import RiskFit, label_free_threshold
 
@@ -40,38 +42,75 @@ class Action(str, Enum):
         return self is not Action.ANNOTATE
 
 
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
-# Printable ASCII, spelled out (URLs and paths of this host; every regex engine and fuzzer reads the ranges alike, not
-# so `\s`): a host of anything but / ? # [ ] (no IPv6 literals: a bracket that is not one makes urlsplit raise, in
-# clients that parse the URL echoed back), then nothing or / ? # and anything.
-_HTTP_URL = r"^https?://[\x21\x22\x24-\x2e\x30-\x3e\x40-\x5a\x5c\x5e-\x7e]+([/?#][\x21-\x7e]*)?$"
-_ABSOLUTE_PATH = r"^/[\x21-\x7e]+$"
+# Fields a policy stored before targets were the operator's may hold (63); a policy written now may not.
+_OPERATOR_FIELDS = frozenset({"url", "api_key_env", "api_key_file", "protocol"})
+_STORED = "stored"  # validation context: a policy read back from the database, not one an admin sends
+
+
+def stored_policy(body: dict) -> "Policy":
+    """A policy as the database holds it: one written before targets were named keeps its URL as `legacy_url` (only a
+    URL the operator also lists in CALM_TARGETS is ever called), so nothing stored is lost or refused."""
+    return Policy.model_validate(body, context={_STORED: True})
+
+
+# The URL a policy stored before 63 named (a target or a webhook): kept, shown, never accepted from an admin.
+_LegacyUrl = Annotated[SkipJsonSchema[StrictStr | None], Field(exclude_if=lambda v: v is None)]
+
+
+def _stored(info: ValidationInfo) -> bool:
+    return bool(info.context and info.context.get(_STORED))
 
 
 class EscalationTarget(BaseModel):
-    """Where an unsure answer's request goes: an OpenAI-compatible server (`url` is its base, ending in /v1). The API key
-    is read at call time from an environment variable or a file of this gateway's host; only their names are stored."""
+    """Where an unsure answer's request goes: one of the operator's targets by name (gateway/targets.py: its URL, key
+    and protocol are the operator's), the model asked there, and what to do when it fails."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"required": ["target", "model"]})
 
-    url: StrictStr = Field(pattern=_HTTP_URL, max_length=2000)
+    target: StrictStr | None = Field(default=None, pattern=TARGET_NAME)
     model: StrictStr = Field(min_length=1, max_length=256)
-    api_key_env: StrictStr | None = Field(default=None, pattern=_ENV_NAME)
-    api_key_file: StrictStr | None = Field(default=None, pattern=_ABSOLUTE_PATH, max_length=4096)
     timeout_s: StrictFloat = Field(default=30.0, gt=0.0, le=600.0)  # the whole call; then `on_failure` applies
     on_failure: Literal["annotate", "abstain"] = "annotate"
-    # "calm": the target is a CALM gateway: options are sent as options (scored there) and its calibration passed on;
-    # "openai": options are written into the question as lettered lines and the letter in its answer mapped back.
-    protocol: Literal["openai", "calm"] = "openai"
+    legacy_url: _LegacyUrl = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _operator_fields(cls, data, info: ValidationInfo):
+        if not isinstance(data, dict) or not _OPERATOR_FIELDS & data.keys() and data.get("legacy_url") is None:
+            return data
+        if not _stored(info):
+            raise ValueError("escalation targets are the operator's: name one with `target` (CALM_TARGETS); `url`, "
+                             "`api_key_env`, `api_key_file` and `protocol` are set there, not in a policy")
+        rest = {k: v for k, v in data.items() if k not in _OPERATOR_FIELDS}
+        return {**rest, "legacy_url": data.get("url", data.get("legacy_url"))}
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.target is None and self.legacy_url is None:
+            raise ValueError("name the escalation target with `target` (one of the operator's, CALM_TARGETS)")
+        return self
 
 
 class ReviewTarget(BaseModel):
-    """Besides the database queue (GET /admin/reviews), each new review can be posted to a webhook."""
+    """Besides the database queue (GET /admin/reviews), each new review can be posted to a webhook: one of the
+    operator's targets by name."""
 
     model_config = ConfigDict(extra="forbid")
 
-    webhook: StrictStr | None = Field(default=None, pattern=_HTTP_URL, max_length=2000)
+    webhook: StrictStr | None = Field(default=None, pattern=TARGET_NAME)
     timeout_s: StrictFloat = Field(default=5.0, gt=0.0, le=60.0)
+    legacy_url: _LegacyUrl = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _operator_url(cls, data, info: ValidationInfo):
+        hook = data.get("webhook") if isinstance(data, dict) else None
+        if not (isinstance(hook, str) and "://" in hook) and not (isinstance(data, dict) and data.get("legacy_url")):
+            return data
+        if not _stored(info):
+            raise ValueError("review webhooks are the operator's: name one of the targets set in CALM_TARGETS")
+        rest = {k: v for k, v in data.items() if k != "webhook"}
+        return {**rest, "legacy_url": data.get("legacy_url", hook)}
 
 
 class Fallback(str, Enum):
@@ -92,8 +131,6 @@ class Policy(BaseModel):
          "then": {"required": ["action"], "properties": {"action": {"const": "escalate"}}}},
         {"if": {"required": ["review"], "properties": {"review": {"type": "object"}}},
          "then": {"required": ["action"], "properties": {"action": {"const": "review"}}}},
-        {"properties": {"escalate": {"not": {"required": ["api_key_env", "api_key_file"], "properties": {
-            "api_key_env": {"type": "string"}, "api_key_file": {"type": "string"}}}}}},
     ]})
 
     threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
@@ -118,8 +155,6 @@ class Policy(BaseModel):
             raise ValueError("action `escalate` needs an `escalate` target, and an `escalate` target needs that action")
         if self.review is not None and self.action is not Action.REVIEW:
             raise ValueError("a `review` target goes with action `review`")
-        if self.escalate is not None and self.escalate.api_key_env and self.escalate.api_key_file:
-            raise ValueError("give the target's API key as `api_key_env` or `api_key_file`, not both")
         return self
 
     @property
@@ -127,6 +162,16 @@ class Policy(BaseModel):
         if self.threshold is not None:
             return "threshold"
         return "guaranteed_risk" if self.delta is not None else "target_risk"
+
+
+def unknown_target(policy: Policy, targets: Targets) -> tuple[str, str] | None:
+    """(param, why) when a policy names a target the operator does not list (an admin's write is refused then)."""
+    for param, name in (("escalate.target", policy.escalate and policy.escalate.target),
+                        ("review.webhook", policy.review and policy.review.webhook)):
+        why = targets.unknown(name) if name else None
+        if why is not None:
+            return param, why
+    return None
 
 
 threshold_for_risk = label_free_threshold

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway.cached import CachedRead
-from gateway.policies import DEFAULT_DOMAIN, Policy
+from gateway.policies import DEFAULT_DOMAIN, Policy, stored_policy
 from gateway.store import Store
 
 
@@ -14,7 +14,7 @@ class PolicyBook(CachedRead[dict]):
     `max_age_s`, so a change made through another replica sharing the database is in force here within that time."""
 
     def __init__(self, store: Store, max_age_s: float = 5.0, clock=time.monotonic):
-        super().__init__(lambda: {d: (Policy.model_validate(body), v) for d, (body, v) in store.list_policies().items()},
+        super().__init__(lambda: {d: (stored_policy(body), v) for d, (body, v) in store.list_policies().items()},
                          max_age_s, clock)
         self.refresh()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -13,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from adapters.cpu_limits import omp_threads_set
 from adapters.engine_settings import EngineOverrides
 from calm_core.paths import calm_home
+from gateway.targets import TARGET_NAME, Target
 
 DEV_ADMIN_KEY = "dev-admin-key"
 
@@ -59,6 +61,12 @@ class GatewaySettings(BaseSettings):
     # Shared by the gateways of one operator that escalate to each other (protocol "calm"): a request proves it was
     # escalated by one of them with an HMAC under it (gateway/peer.py); unset, no request skips this gateway's hand-off.
     peer_secret: SecretStr | None = None
+    # The key the fleet's vLLM servers require (their --api-key or VLLM_API_KEY): vLLM's servers otherwise answer anyone
+    # who reaches them, run-time adapter loading included. Sent as a bearer token on every request to them.
+    upstream_api_key: SecretStr | None = None
+    # The servers policies may call (gateway/targets.py): name -> {url, api_key_env | api_key_file, protocol, private},
+    # as JSON; an escalate policy's `target` and a review policy's `webhook` name one of them.
+    targets: dict[str, Target] = {}
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
     # development a request without a key (or with a placeholder that is not a calm key) passes.
     require_api_keys: bool | None = None
@@ -83,12 +91,20 @@ class GatewaySettings(BaseSettings):
     max_tokens_limit: int = 1024
     max_body_bytes: int = Field(default=1_000_000, gt=0)  # larger request bodies: 413
     max_in_flight: int = Field(default=256, gt=0)  # generation requests being served per replica; beyond: 429
-    request_deadline_s: float = Field(default=300.0, gt=0)  # a non-streaming request still running then: 504
+    request_deadline_s: float = Field(default=300.0, gt=0)  # a request still running then: 504 (a stream: its event)
+    # Engine sequences one request may start (options x option tokens, samples, n, prompts and the token-by-token
+    # read-back of free-form answers multiply it): beyond, 400. Unset: 16 x (max_tokens_limit + 1), room for 8 answers
+    # of the longest allowed length read back (<= 2 sequences a token); a batch of prompts shares it.
+    max_engine_sequences: int | None = Field(default=None, gt=0)
+    stream_write_timeout_s: float = Field(default=30.0, gt=0)  # a stream whose client reads nothing this long: closed
     drain_s: float = Field(default=30.0, ge=0)  # on shutdown, time given to requests in flight to finish
     # An idle client connection is closed after this long. Longer than the idle timeouts of the balancers and clients
     # that reuse connections (AWS ALB 60 s, nginx 60 s): a server closing first races a request sent on the connection
     # at that moment, which then fails without an answer (uvicorn's 5 s default did so in the load test).
     keep_alive_s: int = Field(default=75, gt=0)
+    # A connection whose request headers are not complete this long after it opened (or after the request's first
+    # byte) is closed: uvicorn has no header-read timeout of its own (gateway/http_server.py).
+    header_timeout_s: float = Field(default=10.0, gt=0)
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Free form only when asked: token confidence's raw number is a second prefill of prompt + answer, 1.66x the
@@ -113,6 +129,14 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"{value!r} is neither a JSON list nor comma-separated") from None
         return [item.strip() for item in value.split(",") if item.strip()]
 
+    @field_validator("targets")
+    @classmethod
+    def _target_names(cls, value: dict[str, Target]) -> dict[str, Target]:
+        bad = [name for name in value if not re.fullmatch(TARGET_NAME, name)]
+        if bad:
+            raise ValueError(f"target names are letters, digits, '_', '.', '-' (at most 64): {bad}")
+        return value
+
     @property
     def registry_root(self) -> Path:
         if self.registry_dir is not None:
@@ -122,8 +146,14 @@ class GatewaySettings(BaseSettings):
         return self.db_path.parent / "registry"
 
     @property
+    def engine_sequences_per_request(self) -> int:
+        return self.max_engine_sequences or 16 * (self.max_tokens_limit + 1)
+
+    @property
     def api_keys_required(self) -> bool:
-        return self.environment == "production" if self.require_api_keys is None else self.require_api_keys
+        # Every environment but exactly "development" is served as production: a "prod" or "staging" typo or a name of
+        # the operator's own must not leave the gateway open to anyone without a key.
+        return self.environment != "development" if self.require_api_keys is None else self.require_api_keys
 
     def engine_overrides(self) -> EngineOverrides:
         return EngineOverrides(device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager,
@@ -135,6 +165,9 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _safe(self):
+        # An empty key (a variable or secret that resolved to nothing) would match "Authorization: Bearer" with no key.
+        if not self.admin_key.strip():
+            raise ValueError("CALM_ADMIN_KEY is empty: set a key, or leave it unset in development")
         if self.environment != "development" and self.admin_key == DEV_ADMIN_KEY:
             raise ValueError("set CALM_ADMIN_KEY: the development admin key is refused outside development")
         if self.engine is EngineKind.UPSTREAM and not self.upstream_urls:

@@ -37,7 +37,7 @@ def option_tolerances(gateway_url: str) -> tuple[float, float]:
 
     from adapters.engine_settings import BF16_BUDGET
 
-    dtype = httpx.get(f"{gateway_url}/health", timeout=30).json()["engine"].get("dtype", "float32")
+    dtype = httpx.get(f"{gateway_url}/health", headers={"Authorization": "Bearer dev-admin-key"}, timeout=30).json()["engine"].get("dtype", "float32")
     if dtype == "float32":
         return 1e-3, 1e-3
     return BF16_BUDGET["option_probability"], BF16_BUDGET["raw_confidence"]

@@ -50,12 +50,17 @@ def test_request_rules_are_in_the_schema(document):
     assert list(metrics) == ["text/plain"]
 
 
-def test_a_405_names_every_method_of_the_path(tmp_path):
+def test_a_405_names_every_method_of_the_path_and_every_error_code_is_a_string(tmp_path):
+    """`code` was the HTTP status (an integer) where no specific code applied and a string elsewhere (65)."""
     from fastapi.testclient import TestClient
 
     with TestClient(make_app(tmp_path)) as http:
         r = http.put("/admin/keys")
-        assert r.status_code == 405 and r.headers["Allow"] == "GET, POST" and r.json()["error"]["code"] == 405
+        assert r.status_code == 405 and r.headers["Allow"] == "GET, POST" and r.json()["error"]["code"] == "method_not_allowed"
+        codes = {r.status_code: r.json()["error"]["code"] for r in (
+            http.get("/v1/nowhere"), http.post("/v1/chat/completions", json={"model": "m"}),
+            http.get("/admin/keys"), http.put("/admin/keys"))}
+        assert codes == {404: "not_found", 400: "bad_request", 401: "unauthorized", 405: "method_not_allowed"}
 
 
 def test_schemathesis_finds_no_contract_violation_behind_a_fake_engine(tmp_path):

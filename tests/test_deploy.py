@@ -47,7 +47,7 @@ def test_kubernetes_shape_matches_the_fleet():
     argv = container["command"] + container["args"]
     assert argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"] and "calm" not in " ".join(argv[:3])
     assert all(flags_in(argv, f) for f in PLUGIN_FLAGS)
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and env["CALM_REGISTRY_DIR"] == "/var/lib/calm/registry"
     config = docs[("ConfigMap", "calm-fleet")]["data"]
     names = [f"http://calm-engine-{i}.calm-engine:8000" for i in range(engines["replicas"])]
@@ -57,8 +57,70 @@ def test_kubernetes_shape_matches_the_fleet():
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health/live"
     claims = {v["persistentVolumeClaim"]["claimName"] for d in documents() if d["kind"] in ("Deployment", "StatefulSet")
-              for v in d["spec"]["template"]["spec"].get("volumes", [])}
+              for v in d["spec"]["template"]["spec"].get("volumes", []) if "persistentVolumeClaim" in v}
     assert claims == {"calm-registry"}
+
+
+def pod_specs() -> dict[str, dict]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents()
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def secret_env(container: dict) -> dict[str, str]:
+    """Variable -> the calm-secrets key it comes from."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container.get("env", [])
+            if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == "calm-secrets"}
+
+
+def test_kubernetes_processes_get_the_keys_their_settings_require():
+    """Production rules (the ConfigMap's environment) refuse the development admin key: every process that reads the
+    gateway's settings gets the real one (the worker crash-looped without it); the engines require their key and the
+    gateways send that same key."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in documents()}
+    assert docs[("ConfigMap", "calm-fleet")]["data"]["CALM_ENVIRONMENT"] != "development"
+    pods = pod_specs()
+    gateway, worker = (secret_env(pods[name]["containers"][0]) for name in ("calm-gateway", "calm-worker"))
+    engine = secret_env(pods["calm-engine"]["containers"][0])
+    assert gateway["CALM_ADMIN_KEY"] == worker["CALM_ADMIN_KEY"] == "admin-key"
+    assert engine["VLLM_API_KEY"] == gateway["CALM_UPSTREAM_API_KEY"] == "engine-key"
+
+
+def test_kubernetes_pods_run_unprivileged():
+    """UID 10001 (the images' user), no privilege escalation, no capabilities, the runtime's seccomp profile, no
+    service-account token; read-only roots for the processes that write only caches, under HOME on a writable /tmp."""
+    for name, spec in pod_specs().items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] and pod["runAsUser"] == pod["runAsGroup"] == pod["fsGroup"] == 10001, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"} and spec["automountServiceAccountToken"] is False
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["capabilities"] == {"drop": ["ALL"]}
+            if name == "calm-worker":  # writes job folders and weights beside the image's model (fleet.yaml says why)
+                continue
+            assert context["readOnlyRootFilesystem"] is True, name
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert env["HOME"] == "/tmp" and "emptyDir" in next(v for v in spec["volumes"] if v["name"] == mounts["/tmp"])
+    assert "USER 10001:10001" in (REPO / "Dockerfile").read_text()
+
+
+def test_kubernetes_network_policies_admit_only_what_each_pod_serves():
+    """Every pod is selected by a policy with Ingress; the engines admit the gateways alone (vLLM's key does not cover
+    /invocations) and reach nothing; the gateways admit their port (clients, the Service, Prometheus); the worker
+    admits nothing."""
+    policies = {d["metadata"]["name"]: d["spec"] for d in documents() if d["kind"] == "NetworkPolicy"}
+    labels = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in documents()
+              if d["kind"] in ("Deployment", "StatefulSet")}
+    for name, pod_labels in labels.items():
+        selecting = [p for p in policies.values() if "Ingress" in p["policyTypes"]
+                     and p["podSelector"]["matchLabels"].items() <= pod_labels.items()]
+        assert selecting, f"no NetworkPolicy selects {name}"
+    engine = policies["calm-engine"]
+    assert engine["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "calm-gateway"}}}],
+                                  "ports": [{"protocol": "TCP", "port": 8000}]}]
+    assert "Egress" in engine["policyTypes"] and engine["egress"] == []
+    assert policies["calm-gateway"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    assert policies["calm-worker"]["ingress"] == []
 
 
 def test_haproxy_config_is_valid():

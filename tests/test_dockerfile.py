@@ -80,9 +80,15 @@ def test_shipped_alertmanager_routes_drift_alerts_to_the_gateway_webhook_with_th
     assert route["matchers"] == ['alertname="CalmConfidenceDrift"'] and "domain" in route["group_by"]
     hook = next(r for r in parsed["receivers"] if r["name"] == "calm-retrain")["webhook_configs"][0]
     assert hook["url"] == "http://gateway:8000/admin/alerts" and not hook["send_resolved"]
-    key_file = Path(hook["http_config"]["authorization"]["credentials_file"])
-    assert (REPO / "deploy/alertmanager" / key_file.name).read_text().strip() == "dev-admin-key"
-    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    # The credential is the gateway's admin key itself, handed over by compose as a secret: no key file ships (the one
+    # that did held the development key, which a gateway outside development refuses).
+    assert hook["http_config"]["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/calm-admin-key"}
+    assert not (REPO / "deploy/alertmanager/calm-admin-key").exists()
+    whole = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    assert whole["secrets"]["calm-admin-key"] == {"environment": "CALM_ADMIN_KEY"}
+    compose = whole["services"]
+    assert compose["alertmanager"]["secrets"] == ["calm-admin-key"]
+    assert compose["gateway"]["environment"]["CALM_ADMIN_KEY"].startswith("${CALM_ADMIN_KEY:?")
     assert compose["worker"]["environment"]["CALM_DB_URL"] == compose["gateway"]["environment"]["CALM_DB_URL"]
     assert compose["worker"]["volumes"] == compose["gateway"]["volumes"]  # one registry folder
 
@@ -99,6 +105,20 @@ def test_compose_wires_the_gateway_to_its_postgresql_service():
     assert db["environment"]["POSTGRES_DB"] == url.database and db["environment"]["POSTGRES_USER"] == url.username
     assert gateway["depends_on"][url.host] == {"condition": "service_healthy"} and "healthcheck" in db
     assert "/health/ready" in " ".join(gateway["healthcheck"]["test"])  # readiness, not liveness
+
+
+def test_images_run_as_a_fixed_unprivileged_user():
+    """Both stages end as UID 10001 (numeric, so Kubernetes can check runAsNonRoot; deploy/k8s/fleet.yaml runs as it),
+    created in the stage, owning what the processes write and nothing else."""
+    for name in ("cpu", "gpu"):
+        steps = stage(name)
+        users = re.findall(r"^USER (\S+)$", steps, re.M)
+        assert users == ["10001:10001"], (name, users)
+        assert "groupadd --gid 10001 calm" in steps and "useradd --no-log-init --uid 10001 --gid calm" in steps
+        assert "chown -R calm:calm /var/lib/calm /app/runs" in steps  # the volume, and the worker's job folders
+        # the user is set after every build step: nothing it runs is installed as it
+        assert steps.index("USER ") > max(m.start() for m in re.finditer(r"^RUN ", steps, re.M))
+    assert re.search(r'^runs_dir = "runs/jobs"', (REPO / "configs/loop.toml").read_text(), re.M)  # under /app
 
 
 def test_images_check_readiness():

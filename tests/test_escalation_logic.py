@@ -13,27 +13,31 @@ from pydantic import ValidationError
 
 from gateway.escalation import TargetFailed, letter_of, read_reply, target_request
 from gateway.peer import HOP_HEADER, hop_value
-from gateway.policies import EscalationTarget, Policy
+from gateway.policies import Policy
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from tests.test_gateway_logic import LetterEngine, science_app
 
-TARGET = {"url": "http://strong.example/v1", "model": "strong", "api_key_env": "STRONG_KEY", "timeout_s": 5.0}
+# The operator's targets (CALM_TARGETS); policies name them.
+TARGETS = {"strong": {"url": "http://strong.example/v1", "api_key_env": "STRONG_KEY"},
+           "strong-calm": {"url": "http://strong.example/v1", "api_key_env": "STRONG_KEY", "protocol": "calm"},
+           "ops-hook": {"url": "http://ops.example/hook"}}
+TARGET = {"target": "strong", "model": "strong", "timeout_s": 5.0}
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
 
 
 def test_policy_rules_for_escalate_and_review():
     policy = Policy.model_validate({"threshold": 0.6, "action": "escalate", "escalate": TARGET})
-    assert policy.escalate.on_failure == "annotate" and policy.escalate.protocol == "openai"
-    stored = policy.model_dump(mode="json")
-    assert stored["escalate"]["api_key_env"] == "STRONG_KEY" and "key" not in {k for k in stored["escalate"]
-                                                                                if not k.startswith("api_key")}
+    assert policy.escalate.on_failure == "annotate" and policy.escalate.target == "strong"
+    assert not {"url", "api_key_env", "api_key_file", "protocol"} & set(policy.model_dump()["escalate"])
     for bad, needle in [
         ({"threshold": 0.6, "action": "escalate"}, "needs an `escalate` target"),
         ({"threshold": 0.6, "escalate": TARGET}, "needs that action"),
         ({"threshold": 0.6, "action": "annotate", "review": {}}, "goes with action `review`"),
-        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "api_key_file": "/run/key"}}, "not both"),
-        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "url": "strong:8000"}}, "pattern"),
-        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "api_key_env": "A KEY"}}, "pattern"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "api_key_file": "/run/key"}}, "operator's"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "url": "http://x/v1"}}, "operator's"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {**TARGET, "target": "a b"}}, "pattern"),
+        ({"threshold": 0.6, "action": "escalate", "escalate": {"model": "strong"}}, "name the escalation target"),
+        ({"threshold": 0.6, "action": "review", "review": {"webhook": "http://ops.example/hook"}}, "operator's"),
     ]:
         with pytest.raises(ValidationError, match=needle):
             Policy.model_validate(bad)
@@ -45,20 +49,18 @@ def test_the_target_gets_the_callers_request_with_options_as_letters_or_as_optio
         "model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Largest?"}],
         "options": ["ant", "whale"], "metadata": {"domain": "science"}, "stream": True, "seed": 3,
         "calm": {"domain": "science", "version": "v1-abc", "threshold": 0.9}})
-    plain = EscalationTarget.model_validate(TARGET)
-    path, body = target_request(req, plain, 2, multiple_choice=True)
+    path, body = target_request(req, "strong", "openai", 2, multiple_choice=True)
     assert path == "/chat/completions" and body["model"] == "strong" and body["n"] == 2 and body["stream"] is False
     assert body["temperature"] == 0.0 and body["seed"] == 3  # omitted temperature: greedy, as this gateway answers
     assert not {"options", "calm", "metadata", "stream_options"} & set(body)
     assert body["messages"][0] == {"role": "system", "content": "Be brief."}
     assert "A. ant\nB. whale" in body["messages"][1]["content"] and body["messages"][1]["content"].count("Largest?") == 1
-    calm = EscalationTarget.model_validate({**TARGET, "protocol": "calm"})
-    _, body = target_request(req, calm, 1, multiple_choice=True)
+    _, body = target_request(req, "strong", "calm", 1, multiple_choice=True)
     assert body["options"] == ["ant", "whale"] and body["messages"][1]["content"] == "Largest?"
     assert body["calm"] == {"domain": "science", "threshold": 0.9} and body["metadata"] == {"domain": "science"}
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "Once", "max_tokens": 5, "logprobs": 2,
                                                    "temperature": 0.7})
-    path, body = target_request(completion, plain, 1, multiple_choice=False)
+    path, body = target_request(completion, "strong", "openai", 1, multiple_choice=False)
     assert path == "/completions" and body == {"model": "strong", "prompt": "Once", "max_tokens": 5, "logprobs": 2,
                                                "temperature": 0.7, "n": 1, "stream": False, "echo": False}
 
@@ -93,7 +95,7 @@ def test_reading_the_targets_reply():
 
 def gateway_app(tmp_path, target, **settings):
     """The app on the scripted engine, its escalation client answering through `target` (an httpx handler)."""
-    app = science_app(tmp_path, LetterEngine(), **settings)
+    app = science_app(tmp_path, LetterEngine(), **{"targets": TARGETS, **settings})
     app.state.gateway.shared.handoff.escalator._client = httpx.AsyncClient(transport=httpx.MockTransport(target))
     return app
 
@@ -171,7 +173,7 @@ def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tm
 
     with TestClient(gateway_app(tmp_path, webhook)) as client:
         policy = {"threshold": 0.8, "action": "review", "message": "A specialist will answer.",
-                  "review": {"webhook": "http://ops.example/hook"}}
+                  "review": {"webhook": "ops-hook"}}
         assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
         out = client.post("/v1/chat/completions", json=QUESTION).json()
         choice = out["choices"][0]
@@ -220,7 +222,7 @@ def test_only_a_peer_gateways_signed_hop_skips_the_hand_off_and_then_the_answer_
 
     monkeypatch.setenv("STRONG_KEY", "s3cret")
     policy = {"threshold": 0.8, "action": action, "message": "Ask a person."}
-    policy |= {"escalate": {**TARGET, "protocol": "calm"}} if action == "escalate" else {}
+    policy |= {"escalate": {**TARGET, "target": "strong-calm"}} if action == "escalate" else {}
     with TestClient(gateway_app(tmp_path, target, peer_secret="fleet-secret")) as client:
         assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
         body = json.dumps(QUESTION).encode()
@@ -255,9 +257,9 @@ def test_a_key_file_that_is_not_one_key_is_never_sent_and_no_upstream_text_reach
         sent.append(request)
         return httpx.Response(500, text="upstream exploded: internal hostname db-7.corp")
 
-    with TestClient(gateway_app(tmp_path, target)) as client:
-        with_file = {**TARGET, "api_key_env": None, "api_key_file": str(secret_file)}
-        policy = {"threshold": 0.8, "action": "escalate", "escalate": with_file}
+    filed = {"url": "http://strong.example/v1", "api_key_file": str(secret_file)}
+    with TestClient(gateway_app(tmp_path, target, targets={"filed": filed})) as client:
+        policy = {"threshold": 0.8, "action": "escalate", "escalate": {**TARGET, "target": "filed"}}
         assert client.put("/admin/policies/science", json=policy, headers=ADMIN).status_code == 200
         text = json.dumps(client.post("/v1/chat/completions", json=QUESTION).json())
         assert not sent and "root:x" not in text and "daemon" not in text

@@ -99,7 +99,7 @@ def test_either_replica_serves_both_modes_as_hf_does(fleet, shipped_artifact, sh
     scal = semantic.choices[0].model_extra["calibration"]
     assert scal["method"] == "semantic" and scal["clusters"]
     assert semantic.choices[0].message.content == ff_tokenizer.decode(answer, skip_special_tokens=True)
-    health = httpx.get(f"{fleet.gateway_url(0)}/health").json()
+    health = httpx.get(f"{fleet.gateway_url(0)}/health", headers=ADMIN).json()
     assert health["engine"]["kind"] == "upstream" and health["engine"]["free_form_mode"] is True
 
 
@@ -133,7 +133,7 @@ def loaded_adapters(url: str) -> set[str]:
 
 
 def routes(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()["versions"]["routes"]
+    return httpx.get(f"{url}/health", headers=ADMIN, timeout=10).json()["versions"]["routes"]
 
 
 def test_a_promotion_through_one_replica_is_served_by_both_and_rollback_returns(fleet, versions, embedded_model_dir,

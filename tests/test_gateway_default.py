@@ -75,7 +75,7 @@ def test_ready_flips_to_200_exactly_when_the_first_answer_is_served(started):
 
 
 def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
-    health = httpx.get(f"{gateway}/health").json()
+    health = httpx.get(f"{gateway}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
     assert health["scoring"]["multiple_choice"].startswith("cloze one-pass:"), health["scoring"]
     assert "prefix cache" in health["scoring"]["multiple_choice"], health["scoring"]
 
@@ -87,7 +87,7 @@ def test_the_engines_share_the_cores_step_by_step(started):
     base, cpus = started["base"], usable_cpus()
 
     def teams() -> dict:
-        share = httpx.get(f"{base}/health").json()["engine"]["core_share"]
+        share = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]["core_share"]
         assert share["cpus"] == cpus
         return share["teams"]
 
@@ -97,7 +97,7 @@ def test_the_engines_share_the_cores_step_by_step(started):
             "options": ["Mars", "Jupiter", "Venus", "Mercury"], "calm": {"raw_confidence": raw}})
         assert r.status_code == 200, r.text
 
-    engine = httpx.get(f"{base}/health").json()["engine"]
+    engine = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]
     assert engine["threads"] is None and engine["omp_wait_policy"] == "PASSIVE"
     assert ("starting 3 vLLM engines (adapter, folded, free_form), OpenMP teams sized every step to a share of "
             f"{cpus} cores (OMP_WAIT_POLICY=PASSIVE)") in started["log"].read_text()

@@ -50,7 +50,10 @@ def test_artifact(tmp_path_factory, embedded_model):
 def gateway(tmp_path_factory, test_artifact, embedded_model_dir):
     tmp = tmp_path_factory.mktemp("gateway")
     port = free_port()
-    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_ADMIN_KEY": "test-admin-key", "CALM_ENVIRONMENT": "test"}
+    # Outside development, with client keys off explicitly: these tests ask without keys (tests/test_client_keys.py
+    # covers keys).
+    env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_ADMIN_KEY": "test-admin-key", "CALM_ENVIRONMENT": "test",
+           "CALM_REQUIRE_API_KEYS": "false"}
     argv = calm_argv("serve", "--port", str(port), "--artifact", str(test_artifact))
     with running(argv, f"http://127.0.0.1:{port}/health", tmp / "gateway.log", env):
         yield f"http://127.0.0.1:{port}"
@@ -68,7 +71,7 @@ def calibration(choice) -> dict:
 def test_models_and_health(client, gateway):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    health = httpx.get(f"{gateway}/health").json()
+    health = httpx.get(f"{gateway}/health", headers=ADMIN).json()
     assert health["status"] == "ok" and health["artifact_version"].startswith("test-")
 
 

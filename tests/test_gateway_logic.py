@@ -12,6 +12,7 @@ from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_
 from calm_core.scoring import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from calm_core.semantic import SAMPLE_TEMPERATURE
 from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
+from gateway.errors import status_code_name
 from gateway.policies import Action, Policy, resolve, threshold_for_risk
 
 
@@ -345,7 +346,7 @@ def test_a_failing_stream_ends_with_an_error_event_and_done_and_is_counted(tmp_p
         assert '"calibration"' in events[-2]
         return
     error = _json.loads(events[-2])["error"]
-    assert (error["code"], error["type"]) == (status, kind)
+    assert (error["code"], error["type"]) == (status_code_name(status), kind)  # every code a string (65)
     assert f'calm_errors_total{{domain="other",endpoint="chat",type="{kind}"}} 1.0' in metrics
     assert f'calm_requests_total{{domain="other",endpoint="chat",status="{status}"}} 1.0' in metrics
 
@@ -630,7 +631,7 @@ def test_free_form_answers_go_to_the_artifacts_free_form_mode_with_a_raw_pass_fr
         answer, raw = engine.requests  # (the read-back of each answer token is answered from the draw, unrecorded)
         assert answer.free_form and not answer.calibrated and not answer.adapter
         assert raw.free_form and not raw.calibrated and raw.prompt_logprobs and raw.prompt_token_ids[-2:] == (7, 8)
-        health = client.get("/health").json()
+        health = client.get("/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
         assert "free-form mode ff-v1: its adapter merged" in health["scoring"]["free_form"]
         assert "raw confidence (when asked) from the same weights" in health["scoring"]["free_form"]
         # Its verdict is a label for the free-form map: the token confidence as served, judged.

@@ -133,3 +133,58 @@ def test_refused_requests_give_their_slot_back_and_several_prompts_hold_one_each
     assert app.state.gateway.in_flight.count == 0
     (r,) = run(app, [lambda c: c.post("/v1/completions", json={"model": "m", "max_tokens": 2, "prompt": list("abcd")})])
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "send fewer" in r.json()["error"]["message"]
+
+
+def test_a_stream_is_held_to_the_deadline_until_its_last_chunk(tmp_path):
+    """The deadline once ended when a stream started (63, item 5): a stream whose engine never finishes ran, and held
+    its slot, for as long as the engine took. Now it ends at the deadline with a 504 event and its request aborted."""
+    app, engine = held_app(tmp_path, released=False, request_deadline_s=0.3)
+    (r,) = run(app, [lambda c: c.post("/v1/chat/completions", json={**BODY, "stream": True})])
+    events = [e.removeprefix("data: ") for e in r.text.strip().split("\n\n")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    error = __import__("json").loads(events[-2])["error"]
+    assert error["code"] == "deadline_exceeded" and "0.3 s" in error["message"]
+    assert engine.cancelled == 1 and app.state.gateway.in_flight.count == 0
+
+
+def test_one_request_starts_at_most_its_budget_of_engine_sequences(tmp_path):
+    """Several prompts, n and per-token option scoring multiply one request into many engine requests (63, item 5)."""
+    # A prompt's greedy answer here is one token: its draw and that token's read-back, 2 sequences.
+    app, engine = held_app(tmp_path, max_engine_sequences=6)
+    prompts = lambda k: lambda c: c.post("/v1/completions", json={  # noqa: E731
+        "model": "m", "max_tokens": 2, "prompt": [f"p{i}" for i in range(k)]})
+    fits, refused = run(app, [prompts(3), prompts(4)])
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 3
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["code"] == "engine_work_exceeded" and "more than 6" in error["message"]
+    (sampled,) = run(app, [lambda c: c.post("/v1/chat/completions", json={**BODY, "n": 7, "temperature": 1.0})])
+    assert sampled.status_code == 400 and sampled.json()["error"]["code"] == "engine_work_exceeded"
+    assert app.state.gateway.in_flight.count == 0
+
+
+def test_a_stream_whose_client_reads_nothing_is_closed_and_frees_what_it_held():
+    """A client that stops reading made uvicorn's send wait for ever, holding the stream's slots and engine requests
+    (63, item 5). Here the send never completes, as on a full socket: the response gives up after its write timeout
+    and closes the stream, whose `finally` (slot release, engine abort) runs."""
+    from gateway.limits import WriteTimeoutStreamingResponse
+
+    closed, sent = asyncio.Event(), []
+
+    async def chunks():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.set()
+
+    async def stuck_send(message):
+        sent.append(message["type"])
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # the client's window is full: never drains
+
+    async def go():
+        response = WriteTimeoutStreamingResponse(chunks(), write_timeout_s=0.2, media_type="text/event-stream")
+        await asyncio.wait_for(response.stream_response(stuck_send), timeout=30)
+        return closed.is_set()
+
+    assert asyncio.run(go()) and sent == ["http.response.start", "http.response.body"]

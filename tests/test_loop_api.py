@@ -113,7 +113,7 @@ def test_promotion_and_rollback_swap_a_domain_without_restart_and_requests_in_fl
         assert not engines["v1"].closed  # still the default for every other domain
         metrics = client.get("/metrics").text
         assert 'calm_serving_version_info{domain="science",version="v2"} 1.0' in metrics
-        health = client.get("/health").json()["versions"]
+        health = client.get("/health", headers=ADMIN).json()["versions"]
         assert health["routes"] == {"*": "v1", "science": "v2"}
 
         r = client.post("/admin/domains/science/rollback", headers=ADMIN)
@@ -143,7 +143,7 @@ def test_a_version_that_cannot_load_is_reported_and_the_current_one_keeps_servin
         assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
         assert wait_for(lambda: "v2" in app.state.gateway.deployments.problems)
         assert ask(client, "science") == "v1"
-        assert "one artifact" in client.get("/health").json()["versions"]["problems"]["v2"]
+        assert "one artifact" in client.get("/health", headers=ADMIN).json()["versions"]["problems"]["v2"]
 
 
 def test_answers_pinned_to_another_version_stay_out_of_the_domains_drift_window(tmp_path):
@@ -295,5 +295,5 @@ def test_a_corrupt_version_is_refused_at_load_and_the_current_one_keeps_serving(
     with TestClient(app) as client:
         assert client.post("/admin/artifacts/v2/promote", json={"domain": "science"}, headers=ADMIN).status_code == 200
         assert wait_for(lambda: "v2" in app.state.gateway.deployments.problems)
-        assert "do not match the hash" in client.get("/health").json()["versions"]["problems"]["v2"]
+        assert "do not match the hash" in client.get("/health", headers=ADMIN).json()["versions"]["problems"]["v2"]
         assert ask(client, "science") == "v1" and "v2" not in engines

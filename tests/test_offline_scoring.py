@@ -56,7 +56,7 @@ def test_offline_evaluation_and_the_gateway_score_real_questions_alike(served, s
             calibration = r.choices[0].model_extra["calibration"]
             served_probs.append([o["probability"] for o in calibration["options"]])
             assert r.choices[0].message.content == "ABCDEFGHIJKLM"[int(np.argmax(served_probs[-1]))]
-        paths = http.get("/health").json()["scoring"]["multiple_choice"]
+        paths = http.get("/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["scoring"]["multiple_choice"]
     assert paths.startswith("cloze one-pass" if answer_format == "cloze" else "letter")
     for row, probs in enumerate(served_probs):
         np.testing.assert_allclose(probs, offline[row, : len(probs)], atol=1e-6)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from dataclasses import dataclass, field
 
 import openai
@@ -132,20 +133,29 @@ def stack(tmp_path_factory, identity_artifact, embedded_model_dir):
     """vLLM's server, the gateway in-process, and the gateway upstream over that server (all identity heads): their
     base URLs, and the in-process gateway's database."""
     tmp = tmp_path_factory.mktemp("conformance")
-    engine_port, gw_port, up_port = free_port(), free_port(), free_port()
+    engine_port, gw_port, up_port, down_port = free_port(), free_port(), free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
+    silent = socket.socket()  # accepts connections and never answers: a hung target
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    local = lambda port, **more: {"url": f"http://127.0.0.1:{port}/v1", "private": True, **more}  # noqa: E731
+    # The operator's targets the escalation tests' policies name (all on this host, so `private`).
+    targets = {"vllm": local(engine_port), "calm-gateway": local(up_port, protocol="calm"), "down": local(down_port),
+               "silent": local(silent.getsockname()[1])}
     # One registry folder: the upstream gateway names its version per request and the engine resolves it there.
     common = {"CALM_ARTIFACT": str(identity_artifact), "CALM_ENVIRONMENT": "development",
               "CALM_REGISTRY_DIR": str(tmp / "registry")}
     with running(calm_argv("engine", "--port", str(engine_port)), f"{engine_url}/health", tmp / "engine.log",
                  {**common, "VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=300), \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp / "gw.log",
-                 {**common, "CALM_DB_PATH": str(tmp / "gw.db"), "CALM_DOMAINS": '["escalation", "triage"]'}), \
+                 {**common, "CALM_DB_PATH": str(tmp / "gw.db"), "CALM_DOMAINS": '["escalation", "triage"]',
+                  "CALM_TARGETS": json.dumps(targets)}), \
          running(calm_argv("serve", "--port", str(up_port)), f"http://127.0.0.1:{up_port}/health", tmp / "up.log",
                  {**common, "CALM_DB_PATH": str(tmp / "up.db"), "CALM_ENGINE": "upstream",
                   "CALM_UPSTREAM_URLS": f'["{engine_url}"]'}):
         yield {"vllm": engine_url, "inprocess": f"http://127.0.0.1:{gw_port}", "upstream": f"http://127.0.0.1:{up_port}",
                "db": tmp / "gw.db"}
+    silent.close()
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +350,7 @@ def test_unsure_answers_come_from_the_target_confident_ones_from_the_first_model
     confidences = sorted(c.model_extra["calibration"]["confidence"] for c in before)
     threshold = (confidences[0] + confidences[-1]) / 2
     put_policy(stack, "escalation", {"threshold": threshold, "action": "escalate", "escalate": {
-        "url": f"{stack['vllm']}/v1", "model": MODEL, "timeout_s": 60}})
+        "target": "vllm", "model": MODEL, "timeout_s": 60}})
     for question, was in zip(QUESTIONS, before):
         calls = vllm_requests(stack)
         got = first.chat.completions.create(messages=question, **ask).choices[0]
@@ -372,7 +382,7 @@ def test_a_calm_target_scores_the_options_itself_and_its_confidence_is_passed_on
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Which planet is largest?"}],
                extra_body={"options": ["Mars", "Jupiter", "Venus"]})
     put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "escalate": {
-        "url": f"{stack['upstream']}/v1", "model": MODEL, "timeout_s": 60, "protocol": "calm"}})
+        "target": "calm-gateway", "model": MODEL, "timeout_s": 60}})
     got = clients["inprocess"].chat.completions.create(metadata={"domain": "escalation"}, **ask).choices[0]
     direct = clients["upstream"].chat.completions.create(**ask).choices[0]
     cal, theirs = got.model_extra["calibration"], direct.model_extra["calibration"]
@@ -381,29 +391,21 @@ def test_a_calm_target_scores_the_options_itself_and_its_confidence_is_passed_on
 
 
 def test_a_target_down_or_slow_gets_the_fallback_within_its_timeout(stack, clients):
-    import socket
-
-    silent = socket.socket()  # accepts connections and never answers: a hung target
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
     first, ask = clients["inprocess"], dict(model=MODEL, messages=CAPITAL, max_tokens=8, metadata={"domain": "escalation"})
-    try:
-        put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "escalate": {
-            "url": f"http://127.0.0.1:{free_port()}/v1", "model": "strong", "timeout_s": 30}})
-        down = first.chat.completions.create(**ask).choices[0]
-        assert down.message.content == got_text(clients, CAPITAL)  # annotate: the first answer stands
-        assert down.model_extra["calibration"]["escalation"]["fallback"].startswith("connect:")
-        put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "message": "Ask a person.", "escalate": {
-            "url": f"http://127.0.0.1:{silent.getsockname()[1]}/v1", "model": "strong", "timeout_s": 1.5,
-            "on_failure": "abstain"}})
-        slow = first.chat.completions.create(**ask).choices[0]
-        assert slow.message.content == "Ask a person." and slow.model_extra["calibration"]["abstained"]
-        # The kind of failure only: the target's and the transport's own words stay in the gateway's log (63).
-        assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: the target did not answer")
-        streamed, _ = _merge_stream(list(first.chat.completions.create(stream=True, **ask)))
-        assert streamed[0]["text"] == "Ask a person." and streamed[0]["finish"] is not None
-    finally:
-        silent.close()
+    # The stack's "down" target has nothing listening; its "silent" one accepts and never answers.
+    put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "escalate": {
+        "target": "down", "model": "strong", "timeout_s": 30}})
+    down = first.chat.completions.create(**ask).choices[0]
+    assert down.message.content == got_text(clients, CAPITAL)  # annotate: the first answer stands
+    assert down.model_extra["calibration"]["escalation"]["fallback"].startswith("connect:")
+    put_policy(stack, "escalation", {"threshold": 1.0, "action": "escalate", "message": "Ask a person.", "escalate": {
+        "target": "silent", "model": "strong", "timeout_s": 1.5, "on_failure": "abstain"}})
+    slow = first.chat.completions.create(**ask).choices[0]
+    assert slow.message.content == "Ask a person." and slow.model_extra["calibration"]["abstained"]
+    # The kind of failure only: the target's and the transport's own words stay in the gateway's log (63).
+    assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: the target did not answer")
+    streamed, _ = _merge_stream(list(first.chat.completions.create(stream=True, **ask)))
+    assert streamed[0]["text"] == "Ask a person." and streamed[0]["finish"] is not None
     import httpx
 
     metrics = httpx.get(f"{stack['inprocess']}/metrics").text

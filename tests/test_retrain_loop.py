@@ -106,7 +106,7 @@ def send(gateway: str, questions: list[dict]) -> list[dict]:
 @pytest.mark.timeout(1800)
 def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):
     gateway, tmp, prometheus = loop["gateway"], loop["tmp"], loop["prometheus"]
-    before_version = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+    before_version = http.get(f"{gateway}/health", headers=ADMIN).json()["versions"]["routes"]["*"]
 
     # In-domain first: held-out grade-school science questions, from the population the shipped version's reference
     # histogram was built on. The alert stays quiet.
@@ -142,7 +142,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     assert done["status"] == "promoted", json.dumps(done, indent=1)
     candidate = done["candidate"]
     routes = wait_until("the gateway to serve the candidate", lambda: (
-        (h := http.get(f"{gateway}/health").json()["versions"]["routes"]).get("science") == candidate and h), 400, 2)
+        (h := http.get(f"{gateway}/health", headers=ADMIN).json()["versions"]["routes"]).get("science") == candidate and h), 400, 2)
     assert routes["*"] == before_version  # other domains keep the default
     promoted_at = time.time()
 
@@ -180,7 +180,7 @@ def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_
     # Two registry syncs after the rejection (the second one began after it was recorded): nothing switches.
     syncs = registry_syncs(gateway)
     wait_until("two registry syncs after the rejection", lambda: registry_syncs(gateway) >= syncs + 2, 120, 0.2)
-    assert http.get(f"{gateway}/health").json()["versions"]["routes"]["science"] == candidate
+    assert http.get(f"{gateway}/health", headers=ADMIN).json()["versions"]["routes"]["science"] == candidate
     assert {c["artifact_version"] for c in send(gateway, shifted[:4])} == {candidate}
 
 

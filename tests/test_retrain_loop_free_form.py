@@ -115,7 +115,7 @@ def held_out_metrics(choices: list[dict], questions: list[OpenQuestion]) -> dict
 @pytest.mark.timeout(2700)
 def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_on_uploaded_labels(free_form_loop):
     gateway, prometheus = free_form_loop["gateway"], free_form_loop["prometheus"]
-    parent = http.get(f"{gateway}/health").json()["versions"]["routes"]["*"]
+    parent = http.get(f"{gateway}/health", headers=ADMIN).json()["versions"]["routes"]["*"]
     assert http.put(f"{gateway}/admin/capture/{DOMAIN}", json={"enabled": True}, headers=ADMIN).status_code == 200
     uploaded = http.post(f"{gateway}/admin/labels/{DOMAIN}", headers=ADMIN, timeout=600, json={"questions": [
         {"question": q.question, "answers": list(q.answers)} for q in free_form_loop["labels"]]})
@@ -138,7 +138,7 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     assert result["modes"] == ["free_form"] and result["captured_prompts"] == result["reference_prompts"] == distinct
     assert result["inputs"]["feedback_labels"] == N_LABELS  # judged on the uploaded labels
     candidate = done["candidate"]
-    wait_until("the gateway to serve the candidate", lambda: http.get(f"{gateway}/health").json()[
+    wait_until("the gateway to serve the candidate", lambda: http.get(f"{gateway}/health", headers=ADMIN).json()[
         "versions"]["routes"].get(DOMAIN) == candidate, 400, 1)
     record = http.get(f"{gateway}/admin/artifacts/{candidate}", headers=ADMIN).json()
     assert record["parent"] == parent and record["trigger"] == "alert" and record["active_for"] == [DOMAIN]

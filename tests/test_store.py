@@ -64,10 +64,12 @@ def test_escalations_and_reviews_are_stored_and_judged_once(database):
     assert handoff.close_review("rev-0", False, "admin", "wrong") is True
     assert handoff.close_review("rev-0", False, "admin", None) is False
     assert handoff.close_review("rev-0", True, "admin", None) is None
-    store.add_feedback("chatcmpl-r1", True)  # the caller judged it first: the review cannot contradict that
-    assert handoff.close_review("rev-1", False, "admin", None) is None
-    assert [r.id for r in handoff.reviews("closed")] == ["rev-0"] and handoff.review("rev-0").note == "wrong"
-    assert store.labelled_answers("science") == ([0.3, 0.4], [False, True])
+    # A caller's feedback on the withheld answer, as gateways stored it before refusing it: the reviewer's verdict
+    # replaces it, where it once kept the review open for ever (409 on every verdict; 63).
+    store.add_feedback("chatcmpl-r1", True)
+    assert handoff.close_review("rev-1", False, "admin", None) is True
+    assert [r.id for r in handoff.reviews("closed")] == ["rev-0", "rev-1"] and handoff.review("rev-0").note == "wrong"
+    assert store.labelled_answers("science") == ([0.3, 0.4], [False, False])
     with pytest.raises(LookupError):
         handoff.close_review("rev-9", True, "admin", None)
     store.close()

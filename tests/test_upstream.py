@@ -83,7 +83,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
         free = chat(base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
         assert free.status_code == 200 and "Paris" in free.json()["choices"][0]["message"]["content"]
-        free_form_path = httpx.get(f"{base}/health").json()["scoring"]["free_form"]  # as this engine serves it
+        free_form_path = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["scoring"]["free_form"]  # as this engine serves it
         assert "as a vLLM LoRA loaded at run time" in free_form_path and "no raw confidence" in free_form_path
         lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")

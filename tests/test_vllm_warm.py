@@ -110,3 +110,39 @@ def test_the_gateway_publishes_what_it_serves_when_it_changes(tmp_path):
     before = (root / SERVED_FILE).stat().st_mtime_ns
     asyncio.run(deployments.sync())  # nothing changed: not written again
     assert (root / SERVED_FILE).stat().st_mtime_ns == before
+
+
+def test_an_engine_started_with_an_api_key_still_loads_its_served_versions(tmp_path, monkeypatch):
+    """vLLM's --api-key (or VLLM_API_KEY) guards /v1 with a middleware inside this one, so the warm-up's own requests
+    carry the server's key: behind vLLM's real authentication every served name loads, while /health stays open."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    from adapters.vllm_warm import ServedVersionsFirst
+
+    root = tmp_path / "registry"
+    _version(root, "v1", adapter=True, free_form=False)
+    Registry(Database(tmp_path / "r.db"), root).publish_served(["v1"])
+
+    def with_args(app, api_key):  # what vLLM's FastAPI app puts in every scope: itself, its parsed flags on .state
+        server = SimpleNamespace(state=SimpleNamespace(args=SimpleNamespace(api_key=api_key)))
+        return lambda scope, receive, send: app({**scope, "app": server}, receive, send)
+
+    async def warm(api_key, env_key):
+        if env_key:
+            monkeypatch.setenv("VLLM_API_KEY", env_key)
+        else:
+            monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        server = ScriptedServer(missing="")
+        server.go.set()
+        app = ServedVersionsFirst(AuthenticationMiddleware(server, tokens=[api_key or env_key]), root=str(root))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=with_args(app, api_key and [api_key])),
+                                     base_url="http://e") as client:
+            await client.get("/health")
+            await app._loading
+            unauthenticated = await client.post("/v1/completions", json={})
+            return (await client.get("/health")).status_code, unauthenticated.status_code, app.loaded
+
+    assert asyncio.run(warm(api_key="flag-key", env_key=None)) == (200, 401, ["v1"])  # --api-key
+    assert asyncio.run(warm(api_key=None, env_key="env-key")) == (200, 401, ["v1"])  # VLLM_API_KEY

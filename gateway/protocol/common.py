@@ -36,7 +36,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None  # a specific code ("invalid_api_key"), else the status's ("not_found")
 
 
 class ErrorResponse(BaseModel):

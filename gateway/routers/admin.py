@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from gateway.errors import APIError, validation_message
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
-from gateway.policies import Policy, resolve
+from gateway.policies import Policy, resolve, stored_policy, unknown_target
 from gateway.handoff_store import Review
 from gateway.protocol.admin import (
     KeyCreate, KeyCreated, KeyList, KeyOut, LabelledOpenQuestion, LabelUpload, LabelUploadResult, PolicyOut,
@@ -30,7 +30,7 @@ POLICY_BODY = {"requestBody": {"required": True, "content": {"application/json":
 
 # -- abstention policies ----------------------------------------------------------------------------------------------
 def policy_out(gateway: GatewayState, domain: str, body: dict, version: int) -> PolicyOut:
-    policy = Policy.model_validate(body)
+    policy = stored_policy(body)
     effective = resolve(policy, domain, gateway.monitor.reference(domain), None,
                         gateway.shared.guarantees.fit_for(domain))
     return PolicyOut(domain=domain, version=version, policy=policy.model_dump(mode="json"),
@@ -65,6 +65,9 @@ async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(
     except ValidationError as e:
         message, param = validation_message(e.errors(), Policy)
         raise APIError(400, f"invalid policy: {message}", param=param) from None
+    unnamed = unknown_target(policy, gateway.shared.handoff.escalator.targets)
+    if unnamed is not None:
+        raise APIError(400, f"invalid policy: {unnamed[1]}", param=unnamed[0])
     expected = None
     if if_match is not None:
         if not if_match.strip('"').isdigit():

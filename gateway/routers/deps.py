@@ -34,12 +34,16 @@ async def state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
+def holds_admin_key(request: Request, authorization: str | None) -> bool:
+    scheme, _, key = (authorization or "").partition(" ")
+    expected = request.app.state.gateway.settings.admin_key
+    return scheme.lower() == "bearer" and hmac.compare_digest(key.encode(), expected.encode())
+
+
 async def admin(request: Request, authorization: str | None = Header(default=None)) -> str:
     if not authorization:
         raise APIError(401, "admin key required: send 'Authorization: Bearer <key>'", "authentication_error")
-    scheme, _, key = authorization.partition(" ")
-    expected = request.app.state.gateway.settings.admin_key
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.encode(), expected.encode()):
+    if not holds_admin_key(request, authorization):
         raise APIError(403, "admin key is not valid", "permission_error")
     return "admin"
 

@@ -1,6 +1,7 @@
 """Feedback on served answers: a verdict per choice, stored durably, feeding online calibration and guarantees.
 A verdict on an escalated answer judges the target's answer: it is kept with the escalation and counted apart, never
-taken as a label of the first model."""
+taken as a label of the first model. An answer withheld for review takes no feedback from the caller, who saw only the
+policy's message: the reviewer's verdict is its label (gateway/handoff_store.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ async def feedback(req: FeedbackRequest, client_key: ClientKey | None = Depends(
         raise APIError(404, f"no {what}response with id {req.response_id!r}", "not_found_error",
                        "choice_index" if whole else "response_id")
     gateway.keyring.admit(client_key, domain)
+    review_id = None if escalated else await asyncio.to_thread(escalations.review_of, key)
+    if review_id is not None:
+        raise APIError(409, f"this answer was withheld for review {review_id}: the caller was sent the policy's message, "
+                       "not the model's answer, so the reviewer's verdict is its feedback", "conflict_error",
+                       "response_id", code="withheld_for_review")
     # Stored durably before the answer: an acknowledged verdict is never lost.
     if escalated:
         stored = await asyncio.to_thread(escalations.judge_escalation, key, req.correct)

@@ -1,33 +1,47 @@
 """Health (every loaded version's engine answers), the liveness and readiness probes, and Prometheus metrics.
 
-Until the engines have started, gateway/starting.py answers these paths itself (live 200, ready 503)."""
+/health describes the deployment (engine URLs and settings, versions, routes, why a version did not load, which can
+name its files) only to a caller holding the admin key: anyone else learns whether it is healthy, no more. Until the engines have started, gateway/starting.py
+answers these paths itself (live 200, ready 503)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from calm_core.engine import EngineUnavailable
 from gateway.errors import APIError
-from gateway.routers.deps import documented, state
+from gateway.routers.deps import documented, holds_admin_key, state
 from gateway.state import GatewayState
 
 router = APIRouter()
 
 
-async def check_engines(gateway: GatewayState) -> None:
-    """Every loaded version's engine answers (else EngineUnavailable: 503)."""
-    for deployment in list(gateway.deployments.loaded.values()):
-        await deployment.service.engine.check_health()
+async def check_engines(gateway: GatewayState, detail: bool = True) -> None:
+    """Every loaded version's engine answers, else 503: EngineUnavailable, whose text names the upstream URLs, where
+    `detail`; a bare 503 otherwise."""
+    try:
+        for deployment in list(gateway.deployments.loaded.values()):
+            await deployment.service.engine.check_health()
+    except EngineUnavailable:
+        if detail:
+            raise
+        raise APIError(503, "model engine unavailable", "service_unavailable_error", retry_after_s=5) from None
 
 
 @router.get("/health", responses=documented(503))
-async def health(gateway: GatewayState = Depends(state)):
+async def health(request: Request, authorization: str | None = Header(default=None),
+                 gateway: GatewayState = Depends(state)):
+    """The deployment's description to the admin; the status alone to anyone else."""
+    admin = holds_admin_key(request, authorization)
+    await check_engines(gateway, detail=admin)
+    if not admin:
+        return {"status": "ok"}
     deployments = gateway.deployments
     default = deployments.default.service
-    await check_engines(gateway)
     return {"status": "ok", "model": default.engine.model_name, "artifact_version": default.engine.artifact_version,
             "scoring": default.scoring_paths(), "engine": default.engine.describe(), "versions": deployments.describe(),
             "domains": sorted(gateway.monitor.known)}
@@ -47,9 +61,10 @@ async def live(gateway: GatewayState = Depends(state)):
 
 
 @router.get("/health/ready", responses=documented(503))
-async def ready(gateway: GatewayState = Depends(state)):
-    """Every engine of every serving version answers and the database answers (else 503)."""
-    await check_engines(gateway)
+async def ready(request: Request, authorization: str | None = Header(default=None),
+                gateway: GatewayState = Depends(state)):
+    """Every engine of every serving version answers and the database answers (else 503; why, to the admin only)."""
+    await check_engines(gateway, detail=holds_admin_key(request, authorization))
     await asyncio.to_thread(gateway.store.ping)
     return {"status": "ready", "versions": sorted(gateway.deployments.loaded)}
 

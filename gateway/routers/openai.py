@@ -12,15 +12,16 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from calm_core.engine import EngineBudget, engine_budget
 from gateway import batch, responses
 from gateway.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
 from gateway.peer import HOP_HEADER, is_peer_hop
 from gateway.settings import peer_secret
 from gateway.keys import ClientKey
-from gateway.limits import deadline
+from gateway.limits import WriteTimeoutStreamingResponse, deadline, within_deadline
 from gateway.pipeline import CalibratedService, RequestContext
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from gateway.protocol.responses import ResponsesRequest
@@ -97,7 +98,8 @@ def serving(gateway: GatewayState, req: SamplingFields | ResponsesRequest, domai
 
 async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | ResponsesRequest, domain_header: str | None,
                  key: ClientKey | None, escalated: bool = False) -> Response:
-    start = time.perf_counter()
+    start, end = time.perf_counter(), asyncio.get_running_loop().time() + gateway.settings.request_deadline_s
+    engine_budget.set(EngineBudget(gateway.settings.engine_sequences_per_request))  # this request's task and its children
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
     slots = len(req.prompts()) if endpoint == "completions" else 1
     try:
@@ -117,6 +119,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
                     chunks = batch.stream(service, ctxs)
                     if endpoint == "responses":
                         chunks = responses.events(chunks, req, ctxs[0].response_id)
+                    chunks = within_deadline(chunks, end, gateway.settings.request_deadline_s)
                     stream = held_until_done(counted(gateway, endpoint, domain, chunks), deployment)
                     held = True
                 else:
@@ -133,8 +136,9 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
         raise
     gateway.metrics.requests_of(endpoint, domain, "200").inc()
     if held:
-        return StreamingResponse(gateway.in_flight.hold_stream(stream, slots), media_type="text/event-stream",
-                                 headers=calibration_headers(None, domain, service.engine.artifact_version))
+        return WriteTimeoutStreamingResponse(
+            gateway.in_flight.hold_stream(stream, slots), gateway.settings.stream_write_timeout_s,
+            media_type="text/event-stream", headers=calibration_headers(None, domain, service.engine.artifact_version))
     gateway.metrics.latency_of(endpoint, domain).observe(time.perf_counter() - start)
     first = body.choices[0].calibration
     if endpoint == "responses":
