@@ -59,7 +59,23 @@ def gateway_settings(**given):
 def open_store(settings=None):
     from gateway.store import Store
 
-    return Store((settings or gateway_settings()).database)
+    settings = settings or gateway_settings()
+    warn_if_new_database(settings)
+    return Store(settings.database)
+
+
+def warn_if_new_database(settings) -> None:
+    """The default database is relative to the folder the command runs in: `calm keys create` run from another folder
+    once printed a key into a new database there, which the gateway (started elsewhere) never saw, then refused (401).
+    A database about to be created where no setting named it is said on stderr before anything is stored."""
+    import os
+    import sys
+
+    if settings.db_url or "CALM_DB_PATH" in os.environ or settings.db_path.exists():
+        return
+    print(f"warning: no gateway database at {settings.db_path.resolve()}; creating a new one. A gateway started in "
+          "another folder (`make serve` uses the checkout's .calm/gateway.sqlite3) will not see what this command "
+          "stores: run it from that folder or set CALM_DB_PATH.", file=sys.stderr)
 
 
 def open_registry(settings=None):

@@ -207,3 +207,16 @@ def test_free_form_eval_of_the_shipped_mode_writes_a_report(tmp_path, embedded_m
     assert_one_line_error(run_calm("eval", "-d", "popqa:test@0.5", "--out", str(tmp_path / "x")), "name:split@0.7-0.8")
     assert_one_line_error(run_calm("eval", "-d", "popqa:test", "-d", "arc_easy", "--out", str(tmp_path / "x")),
                           "evaluated alone")
+
+
+def test_a_command_that_would_create_a_database_nobody_named_says_so(tmp_path):
+    """`calm keys create` run outside the checkout printed a key into a new .calm/gateway.sqlite3 there, which the
+    gateway (reading the checkout's) then refused with a 401, and nothing said why (65)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CALM_DB_PATH", "CALM_DB_URL")}
+    run = lambda: subprocess.run([*CALM, "keys", "create", "--name", "elsewhere"], cwd=tmp_path,  # noqa: E731
+                                 capture_output=True, text=True, timeout=300, env={**env, "PYTHONPATH": str(REPO)})
+    first, second = run(), run()
+    assert first.returncode == 0 and first.stdout.startswith("calm-"), first.stderr
+    assert f"no gateway database at {tmp_path / '.calm' / 'gateway.sqlite3'}" in first.stderr
+    assert "CALM_DB_PATH" in first.stderr and (tmp_path / ".calm" / "gateway.sqlite3").exists()
+    assert second.returncode == 0 and "warning" not in second.stderr  # the same folder's database, now there
