@@ -47,6 +47,7 @@ def keys_create(
     name: Annotated[str, typer.Option(help="who or what the key is for")],
     domain: Annotated[Optional[list[str]], typer.Option("--domain", help="allowed domain (repeatable); all if none")] = None,
     rate: Annotated[Optional[float], typer.Option(help="requests per minute (token bucket); unlimited if unset")] = None,
+    labeller: Annotated[bool, typer.Option(help="may give feedback on answers other keys received")] = False,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
     from gateway.keys import issue_key
@@ -55,7 +56,7 @@ def keys_create(
         raise typer.BadParameter("--rate must be positive")
     for name_ in domain or []:
         served_domain(name_, other=True)
-    created = issue_key(open_store(), name, list(domain) if domain else None, rate)
+    created = issue_key(open_store(), name, list(domain) if domain else None, rate, labeller)
     typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
 
 
@@ -67,7 +68,7 @@ def keys_list():
         state = "revoked" if key.revoked_at else "active"
         domains = ",".join(key.domains) if key.domains else "*"
         rate = f"{key.requests_per_minute:g}/min" if key.requests_per_minute else "unlimited"
-        typer.echo(f"{key.id}  {state:7s}  {key.name}  domains={domains}  rate={rate}")
+        typer.echo(f"{key.id}  {state:7s}  {key.name}  domains={domains}  rate={rate}" + ("  labeller" if key.labeller else ""))
 
 
 @keys_app.command("revoke")

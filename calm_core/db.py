@@ -13,7 +13,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from sqlalchemy import Connection, create_engine, event
+from sqlalchemy import Connection, create_engine, event, inspect
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.dialects import postgresql, sqlite
 
 
@@ -39,6 +40,29 @@ _SCHEMA_LOCK = 0x43414C4D  # "CALM": the advisory lock key under which tables ar
 CHECKPOINT_EVERY = 64
 
 
+POSTGRES_CONNECT_ARGS = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+                         "keepalives_count": 3}
+
+
+def _add_missing_columns(conn: Connection, meta) -> None:
+    """Columns added to a table after it was first created (nullable ones only: the rows already stored get NULL), so a
+    database made by an earlier version keeps everything it holds and gains them. create_all leaves existing tables as
+    they are."""
+    inspector = inspect(conn)
+    for table in meta.sorted_tables:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name not in present and column.nullable:
+                kind = column.type.compile(dialect=conn.dialect)
+                # IF NOT EXISTS: another process (SQLite has no schema lock here) may add it first
+                guard = "IF NOT EXISTS " if conn.dialect.name == "postgresql" else ""
+                try:
+                    conn.exec_driver_sql(f'ALTER TABLE {table.name} ADD COLUMN {guard}"{column.name}" {kind}')
+                except OperationalError as e:
+                    if "duplicate column" not in str(e):
+                        raise
+
+
 class WriterBusy(Exception):
     """A write asked not to wait would have had to: another writer holds SQLite's lock (in this process or another),
     a checkpoint is due, or the database is not SQLite. Nothing was written."""
@@ -52,7 +76,11 @@ class Database:
             self.engine = create_engine(self.url, connect_args={"check_same_thread": False, "timeout": 30})
             event.listen(self.engine, "connect", _sqlite_pragmas)
         else:
-            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+            # A server that accepts and never answers, or a network that drops packets, must fail a connection in
+            # seconds, not at the kernel's TCP timeout (minutes; libpq's connect_timeout is unlimited by default): the
+            # gateway answers 503 and its health checks keep answering. Keepalives notice a dead pooled connection.
+            self.engine = create_engine(self.url, pool_pre_ping=True, pool_size=5, max_overflow=10,
+                                        connect_args=POSTGRES_CONNECT_ARGS)
         # SQLite has one writer: this process's writes are serialised here rather than retried on "database is locked".
         self._write_lock = threading.Lock() if self.sqlite else _NoLock()
         self._unwaiting: Connection | None = None  # the connection of writes that may not wait, made on first use
@@ -69,10 +97,13 @@ class Database:
         advisory lock, since two concurrent CREATE TABLEs of one name fail with a unique violation in the catalog."""
         if self.sqlite:
             meta.create_all(self.engine)
+            with self.engine.begin() as conn:
+                _add_missing_columns(conn, meta)
             return
         with self.engine.begin() as conn:
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
             meta.create_all(conn)
+            _add_missing_columns(conn, meta)
 
     def ping(self) -> None:
         """Raises the driver's error when the database does not answer (readiness)."""

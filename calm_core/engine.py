@@ -9,8 +9,8 @@ All log-probs are the engine's calibrated ones (α head applied inside vLLM).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -165,14 +165,31 @@ class EngineBudget:
 
 
 engine_budget: ContextVar[EngineBudget | None] = ContextVar("engine_budget", default=None)
+_prepaid: ContextVar[bool] = ContextVar("engine_prepaid", default=False)
 
 
 def charged(request: EngineRequest) -> EngineRequest:
-    """The request, counted against the client request's engine budget (none set: offline work, uncounted)."""
+    """The request, counted against the client request's engine budget (none set: offline work, uncounted; inside a
+    `prepaid` fan-out: counted already)."""
     budget = engine_budget.get()
-    if budget is not None:
+    if budget is not None and not _prepaid.get():
         budget.spend(request.n)
     return request
+
+
+@contextmanager
+def prepaid(requests: Iterable[EngineRequest]) -> Iterator[None]:
+    """A fan-out charged as a whole before any of it starts: over budget, none of its engine requests is sent (charged
+    one by one as tasks start, those started before the one refused would run on with nobody waiting for them). The
+    tasks created inside inherit the mark and are not charged again."""
+    budget = engine_budget.get()
+    if budget is not None and not _prepaid.get():
+        budget.spend(sum(r.n for r in requests))
+    token = _prepaid.set(True)
+    try:
+        yield
+    finally:
+        _prepaid.reset(token)
 
 
 async def whole_answer(engine: EngineClient, request: EngineRequest) -> list[EngineDelta]:

@@ -56,8 +56,10 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
     deployments = Deployments(default, artifacts, make_service, monitor, load_version, settings.drain_s,
                               settings.registry_poll_s)
     metrics.in_flight.set_function(lambda: in_flight.count)  # read at scrape time: nothing per request
+    keyring = KeyRing(store, settings.api_keys_required)
+    keyring.refresh()  # at start-up, not by the first request on the event loop
     return GatewayState(settings, store, prometheus, metrics, monitor, shared, deployments, artifacts, JobQueue(store),
-                        capture, capture_book, KeyRing(store, settings.api_keys_required), in_flight)
+                        capture, capture_book, keyring, in_flight)
 
 
 async def prepared(engine) -> None:

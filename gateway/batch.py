@@ -61,7 +61,8 @@ async def stream(service: CalibratedService, ctxs: list[RequestContext]) -> Asyn
 async def interleaved(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
     """The streams' pieces as each comes. The first failure is raised and the rest are cancelled, as they are when
     the consumer stops (a client gone: each stream aborts its engine request)."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client reading slowly makes the prompts' streams wait here instead of piling up their chunks.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(streams))
     ended = object()
 
     async def pump(stream: AsyncIterator[str]) -> None:

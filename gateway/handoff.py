@@ -75,7 +75,7 @@ class Handoff:
             served.answers[i] = Answer(theirs.text, theirs.finish_reason,
                                        first.model_copy(update=dict(escalated=True, escalation=info)),
                                        theirs.completion_tokens, lambda p=theirs.positions: p)
-            rows.append((served.key(i), domain, first.confidence, target.model, theirs.confidence))
+            rows.append((served.key(i), domain, first.confidence, target.model, theirs.confidence, ctx.key_id))
         await asyncio.to_thread(self.store.record_escalations, rows)
 
     def _fall_back(self, served: Served, unsure: list[int], ctx: RequestContext, failure: TargetFailed,
@@ -125,7 +125,7 @@ class Handoff:
                 "confidence": review.confidence,
                 "created_at": review.created_at}
         try:
-            target = self.escalator.targets.find(hook.webhook, hook.legacy_url)
+            target = self.escalator.targets.find(hook.webhook, hook.legacy_url, kind="webhook")
             if target is None:
                 raise LookupError(f"{hook.webhook or hook.legacy_url} is not one of the operator's targets")
             response = await self.escalator.post(target, target.url, hook.timeout_s, json=body,

@@ -31,7 +31,9 @@ ESCALATIONS = Table("escalations", META,
                     Column("target_model", String(256), nullable=False),
                     Column("target_confidence", Float),
                     Column("correct", Integer),
-                    Column("created_at", Float, nullable=False))
+                    Column("created_at", Float, nullable=False),
+                    Column("key_id", String(32)),  # the client key that received the target's answer
+                    Column("judged_by", String(32)))  # the key whose feedback `correct` is
 REVIEWS = Table("reviews", META,
                 Column("id", String(40), primary_key=True),
                 Column("domain", String(64), nullable=False, index=True),
@@ -84,18 +86,22 @@ class HandoffStore:
                 pass
 
     # -- escalations ----------------------------------------------------------------------------------------------
-    def record_escalations(self, rows: list[tuple[str, str, float, str, float | None]]) -> None:
-        """(response id, domain, first confidence, target model, target confidence) per escalated choice."""
+    def record_escalations(self, rows: list[tuple[str, str, float, str, float | None, str | None]]) -> None:
+        """(response id, domain, first confidence, target model, target confidence, key id) per escalated choice."""
         at = time.time()
         with self.db._write() as c:
             c.execute(ESCALATIONS.insert(), [dict(response_id=r, domain=d, confidence=conf, target_model=m,
-                                                  target_confidence=t, created_at=at) for r, d, conf, m, t in rows])
+                                                  target_confidence=t, created_at=at, key_id=k)
+                                             for r, d, conf, m, t, k in rows])
 
-    def escalation_domain(self, response_id: str) -> str | None:
+    def escalation_of(self, response_id: str) -> tuple[str, str | None] | None:
+        """(domain, id of the key that received it) of an escalated answer."""
+        e = ESCALATIONS.c
         with self.db.engine.connect() as c:
-            return c.execute(select(ESCALATIONS.c.domain).where(ESCALATIONS.c.response_id == response_id)).scalar()
+            row = c.execute(select(e.domain, e.key_id).where(e.response_id == response_id)).first()
+        return (row[0], row[1]) if row else None
 
-    def judge_escalation(self, response_id: str, correct: bool) -> bool | None:
+    def judge_escalation(self, response_id: str, correct: bool, key_id: str | None = None) -> bool | None:
         """Feedback on an escalated answer, once: True stored now, False the same verdict was stored, None a different
         one was (a conflict)."""
         e = ESCALATIONS.c
@@ -103,7 +109,8 @@ class HandoffStore:
             stored = c.execute(select(e.correct).where(e.response_id == response_id)).scalar()
             if stored is not None:
                 return False if bool(stored) == correct else None
-            c.execute(update(ESCALATIONS).where(e.response_id == response_id).values(correct=int(correct)))
+            c.execute(update(ESCALATIONS).where(e.response_id == response_id).values(correct=int(correct),
+                                                                                     judged_by=key_id))
         return True
 
     # -- reviews --------------------------------------------------------------------------------------------------

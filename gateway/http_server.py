@@ -6,7 +6,8 @@ that connects and sends nothing, or sends its headers a byte at a time (slowlori
 enough of them hold every file descriptor. HeaderDeadline closes a connection whose request headers are not complete
 within `header_timeout_s` of its opening or of the request's first byte. HAProxy in front of a fleet does the same
 (deploy/haproxy/haproxy.cfg, `timeout http-request`); this covers a gateway reached directly (docker-compose's
-`gateway`, a bare `calm serve`). A body sent slowly is the request deadline's (`request_deadline_s`).
+`gateway`, a bare `calm serve`). A body sent slowly is not bounded yet: the fast lane and the size limit read it before
+the request deadline starts (docs/security.md, still open).
 """
 
 from __future__ import annotations

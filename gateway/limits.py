@@ -97,9 +97,10 @@ async def within_deadline(stream: AsyncIterator[str], end: float, seconds: float
 
 
 class WriteTimeoutStreamingResponse(StreamingResponse):
-    """A stream whose client has stopped reading is closed after `write_timeout_s` of a write that cannot proceed
+    """A stream whose client has stopped reading is given up after `write_timeout_s` of a write that cannot proceed
     (uvicorn's send waits while the socket's buffer is full): the generator is closed, so its slots and engine requests
-    are freed, instead of being held as long as the client likes."""
+    are freed, instead of being held as long as the client likes. uvicorn then closes the connection (logging that the
+    response was not completed); the socket lingers until the kernel gives up on its unread data."""
 
     def __init__(self, content, write_timeout_s: float, **kwargs):
         super().__init__(content, **kwargs)

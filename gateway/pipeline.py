@@ -64,6 +64,7 @@ class RequestContext:
     first_index: int = 0
     batched: bool = False
     usage: UsageInfo | None = None
+    key_id: str | None = None  # the client key asking: its answers take feedback from it (or a labeller key) only
 
     @property
     def buffered(self) -> bool:
@@ -98,10 +99,11 @@ class SharedParts:
         return cls(settings, tokenizer, store, monitor, policies, guarantees, capture, responses,
                    Handoff(HandoffStore(store), monitor.metrics, Escalator(peer_secret(settings), Targets(settings.targets))))
 
-    def record_verdict(self, response_key: str, domain: str, correct: bool) -> bool | None:
-        """Feedback on a stored answer, then the domain's online calibration and guarantee see it (blocking: call it
-        off the event loop). True stored now, False the same verdict was stored, None another one was."""
-        stored = self.store.add_feedback(response_key, correct)
+    def record_verdict(self, response_key: str, domain: str, correct: bool, key_id: str | None = None) -> bool | None:
+        """Feedback on a stored answer (from the key `key_id`), then the domain's online calibration and guarantee see it
+        (blocking: call it off the event loop). True stored now, False the same verdict was stored, None another one
+        was."""
+        stored = self.store.add_feedback(response_key, correct, key_id)
         if stored:
             self.verdict_recorded(domain, correct)
         return stored
@@ -236,7 +238,7 @@ class CalibratedService:
     async def record(self, served: Served, ctx: RequestContext) -> None:
         """Store the choices' confidences (for feedback) before the response goes out: group-committed in a thread, or
         on the event loop for a request alone (gateway/group_commit.py)."""
-        rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served)
+        rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served, ctx.key_id)
                 for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
         if rows:
             await self.shared.responses.add(rows)

@@ -76,7 +76,7 @@ class EscalationTarget(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _operator_fields(cls, data, info: ValidationInfo):
-        if not isinstance(data, dict) or not _OPERATOR_FIELDS & data.keys() and data.get("legacy_url") is None:
+        if not isinstance(data, dict) or not (_OPERATOR_FIELDS | {"legacy_url"}) & data.keys():
             return data
         if not _stored(info):
             raise ValueError("escalation targets are the operator's: name one with `target` (CALM_TARGETS); `url`, "
@@ -105,8 +105,13 @@ class ReviewTarget(BaseModel):
     @classmethod
     def _operator_url(cls, data, info: ValidationInfo):
         hook = data.get("webhook") if isinstance(data, dict) else None
-        if not (isinstance(hook, str) and "://" in hook) and not (isinstance(data, dict) and data.get("legacy_url")):
+        legacy = isinstance(data, dict) and "legacy_url" in data
+        if not (isinstance(hook, str) and "://" in hook) and not legacy:
             return data
+        if legacy and not _stored(info):
+            raise ValueError("review webhooks are the operator's: name one of the targets set in CALM_TARGETS")
+        if legacy and data["legacy_url"] is None and not (isinstance(hook, str) and "://" in hook):
+            return {k: v for k, v in data.items() if k != "legacy_url"}
         if not _stored(info):
             raise ValueError("review webhooks are the operator's: name one of the targets set in CALM_TARGETS")
         rest = {k: v for k, v in data.items() if k != "webhook"}
@@ -166,9 +171,9 @@ class Policy(BaseModel):
 
 def unknown_target(policy: Policy, targets: Targets) -> tuple[str, str] | None:
     """(param, why) when a policy names a target the operator does not list (an admin's write is refused then)."""
-    for param, name in (("escalate.target", policy.escalate and policy.escalate.target),
-                        ("review.webhook", policy.review and policy.review.webhook)):
-        why = targets.unknown(name) if name else None
+    for param, name, kind in (("escalate.target", policy.escalate and policy.escalate.target, "escalate"),
+                              ("review.webhook", policy.review and policy.review.webhook, "webhook")):
+        why = targets.unknown(name, kind) if name else None
         if why is not None:
             return param, why
     return None

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
+from sqlalchemy import Boolean, Column, Float, Integer, MetaData, String, Table, Text, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from calm_core.db import Database, WriterBusy
@@ -42,11 +42,13 @@ RESPONSES = Table("responses", META,
                   Column("id", String(128), primary_key=True),
                   Column("domain", String(64), nullable=False),
                   Column("confidence", Float, nullable=False),
-                  Column("created_at", Float, nullable=False))
+                  Column("created_at", Float, nullable=False),
+                  Column("key_id", String(32)))  # the client key that received it (None: served without keys)
 FEEDBACK = Table("feedback", META,
                  Column("response_id", String(128), primary_key=True),
                  Column("correct", Integer, nullable=False),
-                 Column("at", Float, nullable=False, index=True))
+                 Column("at", Float, nullable=False, index=True),
+                 Column("key_id", String(32)))  # the key that gave it (None: without keys, or a reviewer's verdict)
 RISK_FITS = Table("risk_fits", META,
                   Column("seq", Integer, primary_key=True, autoincrement=True),
                   Column("domain", String(64), nullable=False),
@@ -59,7 +61,8 @@ CLIENT_KEYS = Table("client_keys", META,
                     Column("domains", Text),
                     Column("requests_per_minute", Float),
                     Column("created_at", Float, nullable=False),
-                    Column("revoked_at", Float))
+                    Column("revoked_at", Float),
+                    Column("labeller", Boolean))  # may give feedback on any answer of its domains
 
 
 class Store(Database):
@@ -140,7 +143,7 @@ class Store(Database):
         self.record_responses([(response_id, domain, confidence)])
 
     def record_responses(self, rows: Sequence[tuple], wait: bool = True) -> bool:
-        """Several (id, domain, confidence[, ServedAnswer]) in one transaction (the choices of one response, or a group
+        """Several (id, domain, confidence[, ServedAnswer[, key id]]) in one transaction (the choices of one response, or a group
         commit's); ids already stored are left as they are. A ServedAnswer keeps what the confidence was made of (the
         labels feedback gives for recalibration, calm_core/served_answers.py). With `wait=False` nothing is written and
         False returned where the write would wait for SQLite's lock (calm_core/db.py WriterBusy)."""
@@ -148,19 +151,21 @@ class Store(Database):
         served = [r[3].row(r[0], r[1]) for r in rows if len(r) > 3 and r[3] is not None]
         try:
             with self._write(wait) as c:  # one statement per table, no read first
-                self._insert_responses.execute(c, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at)
-                                                   for r in rows])
+                self._insert_responses.execute(c, [dict(id=r[0], domain=r[1], confidence=r[2], created_at=at,
+                                                        key_id=r[4] if len(r) > 4 else None) for r in rows])
                 self._insert_served.execute(c, served)
         except WriterBusy:
             return False
         return True
 
-    def get_response(self, response_id: str) -> tuple[str, float] | None:
+    def get_response(self, response_id: str) -> tuple[str, float, str | None] | None:
+        """(domain, confidence, id of the key that received it) of a stored answer."""
+        r = RESPONSES.c
         with self.engine.connect() as c:
-            row = c.execute(select(RESPONSES.c.domain, RESPONSES.c.confidence).where(RESPONSES.c.id == response_id)).first()
-        return (row[0], row[1]) if row else None
+            row = c.execute(select(r.domain, r.confidence, r.key_id).where(r.id == response_id)).first()
+        return (row[0], row[1], row[2]) if row else None
 
-    def add_feedback(self, response_id: str, correct: bool) -> bool | None:
+    def add_feedback(self, response_id: str, correct: bool, key_id: str | None = None) -> bool | None:
         """Store feedback once. Returns True if stored now, False if the same verdict was already stored, and None
         if a different verdict was stored before (a conflict the caller reports)."""
         try:
@@ -168,7 +173,8 @@ class Store(Database):
                 row = c.execute(select(FEEDBACK.c.correct).where(FEEDBACK.c.response_id == response_id)).first()
                 if row is not None:
                     return False if bool(row[0]) == correct else None
-                c.execute(FEEDBACK.insert().values(response_id=response_id, correct=int(correct), at=time.time()))
+                c.execute(FEEDBACK.insert().values(response_id=response_id, correct=int(correct), at=time.time(),
+                                                   key_id=key_id))
                 judge(c, response_id, correct)
         except IntegrityError:  # the same response's feedback arrived at another replica in between
             stored = self._feedback_of(response_id)
@@ -224,14 +230,15 @@ class Store(Database):
 
     # -- client keys (hashes only; the key itself is shown once, at creation) ------------------------------------
     def add_client_key(self, key_id: str, name: str, key_sha256: str, domains: list[str] | None,
-                       requests_per_minute: float | None) -> float:
+                       requests_per_minute: float | None, labeller: bool = False) -> float:
         at = time.time()
         with self._write() as c:
             c.execute(CLIENT_KEYS.insert().values(
                 id=key_id, name=name, key_sha256=key_sha256, domains=json.dumps(domains) if domains is not None else None,
-                requests_per_minute=requests_per_minute, created_at=at))
-            self._audit(c, f"key:{key_id}", 1, "create", None,
-                        json.dumps({"name": name, "domains": domains, "requests_per_minute": requests_per_minute}), "admin")
+                requests_per_minute=requests_per_minute, created_at=at, labeller=labeller))
+            self._audit(c, f"key:{key_id}", 1, "create", None, json.dumps(
+                {"name": name, "domains": domains, "requests_per_minute": requests_per_minute, "labeller": labeller}),
+                "admin")
         return at
 
     def revoke_client_key(self, key_id: str) -> bool:
@@ -246,8 +253,9 @@ class Store(Database):
         k = CLIENT_KEYS.c
         with self.engine.connect() as c:
             rows = c.execute(select(k.id, k.name, k.domains, k.requests_per_minute, k.created_at, k.revoked_at,
-                                    k.key_sha256).order_by(k.created_at)).all()
-        return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5]), r[6]) for r in rows]
+                                    k.key_sha256, k.labeller).order_by(k.created_at)).all()
+        return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5], bool(r[7])), r[6])
+                for r in rows]
 
     def active_client_keys(self) -> dict[str, ClientKey]:
         """key hash -> ClientKey, revoked keys left out."""

@@ -44,6 +44,9 @@ class Target(BaseModel):
     # "openai": options written into the question as lettered lines.
     protocol: Literal["openai", "calm"] = "openai"
     private: StrictBool = False  # loopback, private and link-local addresses may be reached (same host, same VPC)
+    # What policies may use it for: an escalation target gets callers' requests, a webhook gets review texts; neither
+    # goes where the operator meant the other.
+    kind: Literal["escalate", "webhook"] = "escalate"
 
     @model_validator(mode="after")
     def _one_key(self):
@@ -62,28 +65,34 @@ class Targets:
     def names(self) -> list[str]:
         return sorted(self._by_name)
 
-    def find(self, name: str | None, legacy_url: str | None = None) -> Target | None:
+    def find(self, name: str | None, legacy_url: str | None = None, kind: str = "escalate") -> Target | None:
         if name is not None:
-            return self._by_name.get(name)
+            found = self._by_name.get(name)
+            return found if found is not None and found.kind == kind else None
         if legacy_url is not None:
             wanted = legacy_url.rstrip("/")
-            return next((t for t in self._by_name.values() if t.url.rstrip("/") == wanted), None)
+            return next((t for t in self._by_name.values() if t.kind == kind and t.url.rstrip("/") == wanted), None)
         return None
 
-    def unknown(self, name: str) -> str | None:
-        """Why a policy may not name `name` (for the admin's 400), None when the operator lists it."""
-        if name in self._by_name:
+    def unknown(self, name: str, kind: str = "escalate") -> str | None:
+        """Why a policy may not name `name` for `kind` (for the admin's 400), None when the operator lists it so."""
+        if self.find(name, kind=kind) is not None:
             return None
-        listed = ", ".join(self.names()) or "none are set"
-        return f"{name!r} is not one of the operator's targets (CALM_TARGETS: {listed})"
+        listed = ", ".join(n for n in self.names() if self._by_name[n].kind == kind) or "none are set"
+        return f"{name!r} is not one of the operator's {kind} targets (CALM_TARGETS: {listed})"
 
 
 def address_allowed(address: str, private: bool) -> bool:
     """Whether a resolved address may be called: a globally routable one always; loopback, private and link-local ones
     only for a target marked `private`; multicast, unspecified and reserved ones never."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("fe80::1%eth0") is not part of the address
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.is_site_local:  # fec0::/10, deprecated but still routed inside some networks
+            return private
+        # IPv4 carried inside IPv6 (mapped, 6to4, Teredo's client) is judged as that IPv4 address.
+        embedded = ip.ipv4_mapped or ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
+        if embedded is not None:
+            ip = embedded
     if ip.is_multicast or ip.is_unspecified or ip.is_reserved and not ip.is_loopback:  # ::1 sits in reserved ::/8
         return False
     if ip.is_global:

@@ -113,3 +113,32 @@ def test_token_bucket_refills_at_the_rate():
     assert bucket.take(0.0) == pytest.approx(1.0)
     assert bucket.take(0.5) == pytest.approx(0.5)
     assert bucket.take(1.0) == 0.0
+
+
+def test_feedback_comes_from_the_key_that_got_the_answer_or_a_labeller(tmp_path):
+    """Any key could judge any answer it knew the id of, and feedback moves every caller's thresholds (63, item 4):
+    guaranteed-risk fits, labelled recalibration, the retraining gate. Now only the receiving key, or a key granted the
+    labeller role, may; each verdict is stored with the key that gave it."""
+    from fastapi.testclient import TestClient
+    from sqlalchemy import select
+
+    from gateway.store import FEEDBACK
+    from gateway.wire import response_key
+
+    with TestClient(make_app(tmp_path, require_api_keys=True)) as http:
+        keys = {name: http.post("/admin/keys", json={"name": name, **extra}, headers=ADMIN).json()
+                for name, extra in (("asker", {}), ("other", {}), ("team", {"labeller": True}))}
+        assert keys["team"]["labeller"] and not keys["asker"]["labeller"]
+        bearer = {name: {"Authorization": f"Bearer {k['key']}"} for name, k in keys.items()}
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        ids = [http.post("/v1/chat/completions", json=body, headers=bearer["asker"]).json()["id"] for _ in range(2)]
+        refused = http.post("/v1/feedback", json={"response_id": ids[0], "correct": False}, headers=bearer["other"])
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_your_answer", refused.text
+        assert http.post("/v1/feedback", json={"response_id": ids[0], "correct": True},
+                         headers=bearer["asker"]).status_code == 200
+        assert http.post("/v1/feedback", json={"response_id": ids[1], "correct": False},
+                         headers=bearer["team"]).status_code == 200
+        store = http.app.state.gateway.store
+        with store.engine.connect() as c:
+            stored = dict(c.execute(select(FEEDBACK.c.response_id, FEEDBACK.c.key_id)).all())
+        assert stored == {response_key(ids[0], 0): keys["asker"]["id"], response_key(ids[1], 0): keys["team"]["id"]}

@@ -20,7 +20,7 @@ from tests.test_gateway_logic import LetterEngine, science_app
 # The operator's targets (CALM_TARGETS); policies name them.
 TARGETS = {"strong": {"url": "http://strong.example/v1", "api_key_env": "STRONG_KEY"},
            "strong-calm": {"url": "http://strong.example/v1", "api_key_env": "STRONG_KEY", "protocol": "calm"},
-           "ops-hook": {"url": "http://ops.example/hook"}}
+           "ops-hook": {"url": "http://ops.example/hook", "kind": "webhook"}}
 TARGET = {"target": "strong", "model": "strong", "timeout_s": 5.0}
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
 

@@ -188,3 +188,36 @@ def test_a_stream_whose_client_reads_nothing_is_closed_and_frees_what_it_held():
         return closed.is_set()
 
     assert asyncio.run(go()) and sent == ["http.response.start", "http.response.body"]
+
+
+def test_a_fan_out_over_the_budget_starts_none_of_its_engine_requests():
+    """Charged as each task started, a per-token option fan-out over budget once sent its first requests to the engine
+    and left them running with nobody waiting (the review of 63's item 5): now it is charged whole before any starts."""
+    from calm_core.engine import EngineBudget, EngineDelta, EngineRequest, EngineWorkExceeded, engine_budget
+    from calm_core.prompts import ClozeTokens
+    from calm_core.scorers.options import ClozePerTokenScorer
+
+    class Counting(FailingEngine):
+        def __init__(self):
+            super().__init__(None)
+            self.started = 0
+
+        async def stream(self, request):
+            self.started += 1
+            yield EngineDelta(text="x", token_ids=[request.option_token_ids[0]], token_logprobs=[-1.0],
+                              top_logprobs=[{request.option_token_ids[0]: -1.0}], prompt_tokens=3)
+
+    tokens = ClozeTokens(prompt=(1, 2), options=((3, 4, 5), (6, 7, 8)))  # 6 option tokens: 6 engine requests
+    request = EngineRequest(request_id="r", prompt="")
+
+    async def score(limit: int) -> int:
+        engine = Counting()
+        engine_budget.set(EngineBudget(limit))
+        try:
+            await ClozePerTokenScorer(engine).option_scores(tokens, request, calibrated=True)
+        except EngineWorkExceeded:
+            pass
+        await asyncio.sleep(0)  # a task started before the refusal would have run its first step by now
+        return engine.started
+
+    assert asyncio.run(score(limit=6)) == 6 and asyncio.run(score(limit=5)) == 0

@@ -36,7 +36,7 @@ def test_an_admin_names_only_the_operators_targets(tmp_path):
             assert "the operator's" in error["message"] and error["param"].startswith("escalate"), error
         error = refused(escalate={**TARGET, "target": "collector"})
         assert error["param"] == "escalate.target"
-        assert "'collector' is not one of the operator's targets (CALM_TARGETS: ops-hook, strong, strong-calm)" in (
+        assert "'collector' is not one of the operator's escalate targets (CALM_TARGETS: strong, strong-calm)" in (
             error["message"])
         assert "the operator's" in refused(review={"webhook": "http://169.254.169.254/latest"})["message"]
         assert refused(review={"webhook": "pager"})["param"] == "review.webhook"
@@ -89,6 +89,8 @@ def test_a_policy_stored_with_a_url_is_kept_and_calls_only_a_url_the_operator_li
     ("172.16.5.5", False, True), ("fd00::5", False, True), ("169.254.169.254", False, True),  # cloud metadata
     ("fe80::1%eth0", False, True), ("::ffff:127.0.0.1", False, True), ("::ffff:169.254.169.254", False, True),
     ("0.0.0.0", False, False), ("::", False, False), ("224.0.0.251", False, False), ("240.0.0.1", False, False),
+    ("2002:a9fe:a9fe::1", False, True), ("2002:0808:0808::1", True, True),  # 6to4 around 169.254.169.254 / 8.8.8.8
+    ("fec0::1", False, True),  # site-local
 ])
 def test_which_addresses_a_target_may_reach(address, public_only, with_private):
     assert address_allowed(address, private=False) is public_only
@@ -145,3 +147,32 @@ def test_target_names_in_settings_are_checked():
         GatewaySettings(targets={"a/b": {"url": "http://x.example/v1"}})
     with pytest.raises(ValidationError, match="not both"):
         GatewaySettings(targets={"t": {"url": "http://x.example/v1", "api_key_env": "K", "api_key_file": "/k"}})
+
+
+def test_a_target_serves_only_the_use_the_operator_gave_it(tmp_path):
+    """An escalation target gets callers' whole requests, a webhook review texts: an admin could once point either at
+    the other (found in review), sending prompts to the webhook's server or reviews to the provider with its key."""
+    from fastapi.testclient import TestClient
+
+    targets = {**TARGETS, "ops-hook": {"url": "http://ops.example/hook", "kind": "webhook"}}
+    with TestClient(gateway_app(tmp_path, lambda request: httpx.Response(500), targets=targets)) as client:
+        crossed = [{"threshold": 0.8, "action": "escalate", "escalate": {**TARGET, "target": "ops-hook"}},
+                   {"threshold": 0.8, "action": "review", "review": {"webhook": "strong"}}]
+        for policy in crossed:
+            r = client.put("/admin/policies/science", json=policy, headers=ADMIN)
+            assert r.status_code == 400 and "is not one of the operator's" in r.json()["error"]["message"], r.text
+        assert client.put("/admin/policies/science", json={"threshold": 0.8, "action": "review", "review": {
+            "webhook": "ops-hook"}}, headers=ADMIN).status_code == 200
+    assert Targets({"t": Target(url="http://x/v1")}).find("t", kind="webhook") is None
+
+
+def test_an_admin_cannot_write_a_legacy_url_in_any_form():
+    from pydantic import ValidationError
+
+    from gateway.policies import Policy
+
+    for review in ({"legacy_url": None}, {"legacy_url": ""}, {"webhook": "ops-hook", "legacy_url": "http://x/h"}):
+        with pytest.raises(ValidationError, match="operator's"):
+            Policy.model_validate({"threshold": 0.5, "action": "review", "review": review})
+    with pytest.raises(ValidationError, match="operator's"):
+        Policy.model_validate({"threshold": 0.5, "action": "escalate", "escalate": {**TARGET, "legacy_url": None}})

@@ -18,7 +18,9 @@ from dataclasses import replace
 from typing import ClassVar
 
 from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
-from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
+from calm_core.engine import (
+    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices, prepaid,
+)
 from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.recalibration import powered
 from calm_core.scoring import sequence_confidence, topk_entropy
@@ -83,11 +85,14 @@ async def read_back(engine: EngineClient, prompt: list[int], request: EngineRequ
                              prompt_token_ids=tuple(prompt + out.token_ids[:i]), calibrated=request.calibrated,
                              adapter=request.adapter, free_form=request.free_form, **asked)
 
-    tops = [o.top_logprobs[0] if o.top_logprobs else {} for o in await asyncio.gather(
-        *(_limited(engine, at(i, top_logprobs=READ_TOP_K)) for i in range(len(out.token_ids))))]
+    reads = [at(i, top_logprobs=READ_TOP_K) for i in range(len(out.token_ids))]
+    with prepaid(reads):
+        tops = [o.top_logprobs[0] if o.top_logprobs else {}
+                for o in await asyncio.gather(*(_limited(engine, r) for r in reads))]
     missing = [i for i, token in enumerate(out.token_ids) if token not in tops[i]]
-    asked = await asyncio.gather(*(_limited(engine, at(i, option_token_ids=(out.token_ids[i],),
-                                                       restrict_to_options=False)) for i in missing))
+    by_id = [at(i, option_token_ids=(out.token_ids[i],), restrict_to_options=False) for i in missing]
+    with prepaid(by_id):
+        asked = await asyncio.gather(*(_limited(engine, r) for r in by_id))
     found = {i: o.top_logprobs[0].get(out.token_ids[i]) if o.top_logprobs else None for i, o in zip(missing, asked)}
     if None in found.values():
         raise EngineUnavailable("the engine returned no log-prob for an answer token asked for by id")
@@ -178,8 +183,9 @@ class SemanticScorer:
         sampled = raw_request(job.request, n=job.samples, temperature=cal.temperature,
                               max_tokens=min(job.request.max_tokens, cal.max_tokens), seed=samples_seed(job.request))
         answers = answer_request(job.request, self.head_keeps_order)  # as token confidence draws them
-        outs, samples = await asyncio.gather(generate_choices(self.engine, answers),
-                                             generate_choices(self.engine, sampled))
+        with prepaid([answers, sampled]):
+            outs, samples = await asyncio.gather(generate_choices(self.engine, answers),
+                                                 generate_choices(self.engine, sampled))
         texts, reader = [s.text for s in samples], AgreementReader(job.prompt.text)
         words = [reader.words(t) for t in texts]
         clusters = semantic_clusters(texts, threshold=AGREES, words=words)

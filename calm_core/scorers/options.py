@@ -17,7 +17,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from calm_core.engine import EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices
+from calm_core.engine import (
+    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices, prepaid,
+)
 from calm_core.prompts import LETTERS, ClozeTokens, letter_token_ids
 from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax
@@ -56,10 +58,9 @@ class LetterScorer:
     async def score(self, job: ScoringJob) -> Scoring:
         request = self.plan(job)
         ids = list(request.option_token_ids)
-        runs = [generate_choices(self.engine, request)]
-        if job.with_raw:
-            runs.append(generate_choices(self.engine, raw_request(request, n=1)))
-        outs, *raw = await asyncio.gather(*runs)
+        asked = [request] + ([raw_request(request, n=1)] if job.with_raw else [])
+        with prepaid(asked):
+            outs, *raw = await asyncio.gather(*(generate_choices(self.engine, r) for r in asked))
         raw_probs = option_distribution(first_logprobs(raw[0][0]), ids).probs if raw and raw[0][0].top_logprobs else None
         # A recalibrated version's temperature applies to the reported distribution; a sampled letter was drawn in the
         # engine from the head's (greedy answers, the default, are the same under any temperature).
@@ -119,7 +120,8 @@ class ClozePerTokenScorer(_ClozeScorer):
                                     top_p=1.0, seed=None, n=1, option_token_ids=(token,), restrict_to_options=False,
                                     calibrated=calibrated))
                 owner.append((k, token))
-        outs = await asyncio.gather(*(generate(self.engine, job) for job in jobs))
+        with prepaid(jobs):
+            outs = await asyncio.gather(*(generate(self.engine, job) for job in jobs))
         per_option: list[list[float]] = [[] for _ in tokens.options]
         for (k, token), out in zip(owner, outs):
             if not out.top_logprobs or token not in out.top_logprobs[0]:
@@ -159,11 +161,14 @@ class ClozeOnePassScorer(_ClozeScorer):
         options = tokens.options
         # Worth it once the question fills a cache block; shorter ones would only wait for the first option.
         if getattr(self.engine, "prefix_reuse", False) and len(options) > 1 and n_prompt >= self.engine.prefix_block:
-            first = await generate(self.engine, job(0, options[0], reuse=False))
-            outs = [first, *await asyncio.gather(*(generate(self.engine, job(k, o, reuse=True))
-                                                   for k, o in enumerate(options[1:], 1)))]
+            rest = [job(k, o, reuse=True) for k, o in enumerate(options[1:], 1)]
+            with prepaid([job(0, options[0], reuse=False), *rest]):
+                first = await generate(self.engine, job(0, options[0], reuse=False))
+                outs = [first, *await asyncio.gather(*(generate(self.engine, r) for r in rest))]
         else:
-            outs = await asyncio.gather(*(generate(self.engine, job(k, o, reuse=False)) for k, o in enumerate(options)))
+            jobs = [job(k, o, reuse=False) for k, o in enumerate(options)]
+            with prepaid(jobs):
+                outs = await asyncio.gather(*(generate(self.engine, r) for r in jobs))
         per_option = []
         for k, (option, out) in enumerate(zip(options, outs)):
             lps = option_logprobs(option, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, model_validator
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
 from gateway.protocol.common import DOMAIN_NAME, StrictInt
@@ -70,6 +70,9 @@ class KeyCreate(BaseModel):
     domains: list[Annotated[str, StringConstraints(strict=True, pattern=DOMAIN_NAME)]] | None = Field(
         default=None, min_length=1)
     requests_per_minute: StrictFloat | None = Field(default=None, gt=0, le=1_000_000)
+    # May give feedback on answers other keys received (a labelling team, a review tool); any other key only on the
+    # answers it received itself.
+    labeller: StrictBool = False
 
 
 class KeyOut(BaseModel):
@@ -79,6 +82,7 @@ class KeyOut(BaseModel):
     requests_per_minute: float | None
     created_at: float
     revoked_at: float | None = None
+    labeller: bool = False
 
 
 class KeyCreated(KeyOut):

@@ -28,6 +28,9 @@ POLICY_BODY = {"requestBody": {"required": True, "content": {"application/json":
     "schema": {"$ref": "#/components/schemas/Policy"}}}}}
 
 
+# Routes that only read or write the store are plain functions: FastAPI runs them in its thread pool, so a slow or
+# partitioned database never holds the event loop (and /health/live with it); async routes hand store calls to threads.
+
 # -- abstention policies ----------------------------------------------------------------------------------------------
 def policy_out(gateway: GatewayState, domain: str, body: dict, version: int) -> PolicyOut:
     policy = stored_policy(body)
@@ -43,12 +46,12 @@ def policies_changed(gateway: GatewayState) -> None:
 
 
 @router.get("/admin/policies", responses=documented(401, 403))
-async def list_policies(_: str = Depends(admin), gateway: GatewayState = Depends(state)):
+def list_policies(_: str = Depends(admin), gateway: GatewayState = Depends(state)):
     return {"data": [policy_out(gateway, d, b, v) for d, (b, v) in gateway.store.list_policies().items()]}
 
 
 @router.get("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
-async def get_policy(domain: DomainPath, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> PolicyOut:
+def get_policy(domain: DomainPath, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> PolicyOut:
     found = gateway.store.get_policy(checked_domain(domain))
     if found is None:
         raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
@@ -74,15 +77,16 @@ async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(
             raise APIError(400, "If-Match must be a policy version number", param="If-Match")
         expected = int(if_match.strip('"'))
     try:
-        version = gateway.store.put_policy(domain, policy.model_dump(mode="json"), actor, expected)
+        version = await asyncio.to_thread(gateway.store.put_policy, domain, policy.model_dump(mode="json"), actor,
+                                          expected)
     except VersionConflict as e:
         raise APIError(409, str(e), "conflict_error") from None
-    policies_changed(gateway)
+    await asyncio.to_thread(policies_changed, gateway)
     return policy_out(gateway, domain, policy.model_dump(mode="json"), version)
 
 
 @router.delete("/admin/policies/{domain}", responses=documented(400, 401, 403, 404))
-async def delete_policy(domain: DomainPath, actor: str = Depends(admin), gateway: GatewayState = Depends(state)):
+def delete_policy(domain: DomainPath, actor: str = Depends(admin), gateway: GatewayState = Depends(state)):
     if not gateway.store.delete_policy(checked_domain(domain), actor):
         raise APIError(404, f"no policy for domain {domain!r}", "not_found_error", "domain")
     policies_changed(gateway)
@@ -100,7 +104,7 @@ async def upload_labels(domain: DomainPath, upload: LabelUpload, _: str = Depend
                             [(q.question, None, q.answers) if isinstance(q, LabelledOpenQuestion)
                              else (q.question, q.options, q.answer) for q in upload.questions])
     return LabelUploadResult(domain=domain, scored=len(verdicts), accuracy=sum(verdicts) / len(verdicts),
-                             labels=len(gateway.store.labelled_answers(domain)[0]))
+                             labels=len((await asyncio.to_thread(gateway.store.labelled_answers, domain))[0]))
 
 
 # -- the review queue (review policies) ---------------------------------------------------------------------------------
@@ -146,25 +150,26 @@ async def close_review(review_id: ReviewId, verdict: ReviewVerdict, actor: str =
 # -- client API keys ----------------------------------------------------------------------------------------------------
 def key_out(key: ClientKey) -> KeyOut:
     return KeyOut(id=key.id, name=key.name, domains=list(key.domains) if key.domains else None,
-                  requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at)
+                  requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at,
+                  labeller=key.labeller)
 
 
 @router.post("/admin/keys", responses=documented(400, 401, 403, 404), status_code=201)
-async def create_key(body: KeyCreate, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyCreated:
+def create_key(body: KeyCreate, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyCreated:
     for domain in body.domains or []:
         served_domain(gateway, domain)
-    created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute)
+    created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute, body.labeller)
     gateway.keyring.refresh()
     return created
 
 
 @router.get("/admin/keys", responses=documented(401, 403))
-async def list_keys(_: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyList:
+def list_keys(_: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyList:
     return KeyList(data=[key_out(k) for k, _ in gateway.store.client_keys()])
 
 
 @router.delete("/admin/keys/{key_id}", responses=documented(401, 403, 404))
-async def revoke_key(key_id: str, _: str = Depends(admin), gateway: GatewayState = Depends(state)):
+def revoke_key(key_id: str, _: str = Depends(admin), gateway: GatewayState = Depends(state)):
     if not gateway.store.revoke_client_key(key_id):
         raise APIError(404, f"no active API key with id {key_id!r}", "not_found_error", "key_id")
     gateway.keyring.refresh()
@@ -172,7 +177,7 @@ async def revoke_key(key_id: str, _: str = Depends(admin), gateway: GatewayState
 
 
 @router.get("/admin/audit", responses=documented(400, 401, 403))
-async def audit(request: Request, domain: Annotated[str | None, Query(max_length=80)] = None,
+def audit(request: Request, domain: Annotated[str | None, Query(max_length=80)] = None,
                 limit: Annotated[int, Query(ge=1, le=1000)] = 100, _: str = Depends(admin),
                 gateway: GatewayState = Depends(state)):
     for name in ("domain", "limit"):  # one value each; a query string cannot make "0.0" or "true" an integer

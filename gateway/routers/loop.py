@@ -127,7 +127,7 @@ async def capture_status(gateway: GatewayState = Depends(state)):
 async def configure_capture(domain: Domain, body: CaptureSettingsIn, gateway: GatewayState = Depends(state)):
     settings = CaptureSettings(body.enabled, body.max_items, float(body.max_age_s), body.include_answers)
     await asyncio.to_thread(gateway.capture.configure, serving_domain(gateway, domain), settings)
-    gateway.capture_book.refresh()
+    await asyncio.to_thread(gateway.capture_book.refresh)
     return {"domain": domain, **settings.as_dict()}
 
 

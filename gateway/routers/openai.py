@@ -115,6 +115,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
                 for ctx in ctxs:
                     ctx.drift = deployment is gateway.deployments.for_domain(domain)
                     ctx.handoff = not escalated
+                    ctx.key_id = key.id if key is not None else None
                 if req.stream:  # the slots are held until the stream's last chunk
                     chunks = batch.stream(service, ctxs)
                     if endpoint == "responses":
