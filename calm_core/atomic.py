@@ -22,7 +22,7 @@ def atomic_dir(target: str | Path, keep_existing: bool = False, durable: bool = 
     (an engine may be reading it) and this one is dropped. `durable`: fsynced (module docstring); caches, checked
     against their index when used and rebuilt when lost, skip it."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent, durable)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
@@ -61,6 +61,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def make_dirs(folder: str | Path, durable: bool = True) -> None:
+    """`folder` and its missing parents; `durable`: each new one's entry fsynced in its parent, since a folder created
+    on a fresh volume and lost to a power cut takes everything renamed into it along."""
+    missing, p = [], Path(folder)
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for new in reversed(missing):
+        new.mkdir(exist_ok=True)
+        if durable:
+            fsync_dir(new.parent)
 
 
 def fsync_dir(folder: str | Path) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, delete, select, update
 
 from calm_core.artifact import load_artifact, record_files
-from calm_core.atomic import atomic_dir, atomic_write_text
+from calm_core.atomic import atomic_dir, atomic_write_text, make_dirs
 from calm_core.db import Database
 from calm_core.errors import ArtifactError, CalmError
 from calm_core.registry_mirror import RegistryMirror
@@ -130,7 +130,7 @@ class Registry:
     def publish_served(self, versions: Iterable[str]) -> None:
         """Write the serving list: a new file renamed over the old one, so a reader sees one whole list or the other,
         fsynced, so that an engine restarting after a power loss loads what the gateways serve."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)
         text = json.dumps({"versions": sorted(set(versions)), "at": time.time()})
         atomic_write_text(self.root / SERVED_FILE, text)
         if self.mirror is not None:

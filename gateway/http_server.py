@@ -6,8 +6,9 @@ that connects and sends nothing, or sends its headers a byte at a time (slowlori
 enough of them hold every file descriptor. HeaderDeadline closes a connection whose request headers are not complete
 within `header_timeout_s` of its opening or of the request's first byte. HAProxy in front of a fleet does the same
 (deploy/haproxy/haproxy.cfg, `timeout http-request`); this covers a gateway reached directly (docker-compose's
-`gateway`, a bare `calm serve`). A body sent slowly is not bounded yet: the fast lane and the size limit read it before
-the request deadline starts (docs/security.md, still open).
+`gateway`, a bare `calm serve`). The body has its own deadline from the end of the headers (`body_timeout_s`): a
+body sent a byte at a time would otherwise hold the connection, since the fast lane and the size limit read it before
+the request deadline starts.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
 
 
 class HeaderDeadline(HttpToolsProtocol):
-    def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs):
+    def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 **kwargs):
         super().__init__(*args, **kwargs)
-        self.header_timeout_s = header_timeout_s
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self._deadline: asyncio.TimerHandle | None = None
+        self._body_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -33,6 +37,7 @@ class HeaderDeadline(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._body_received()
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -42,6 +47,24 @@ class HeaderDeadline(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        self._body_received()
+        self._body_deadline = self.loop.call_later(self.body_timeout_s, self._body_expired)
+
+    def on_message_complete(self) -> None:
+        self._body_received()  # a request without a body completes right after its headers
+        super().on_message_complete()
+
+    def _body_received(self) -> None:
+        if self._body_deadline is not None:
+            self._body_deadline.cancel()
+            self._body_deadline = None
+
+    def _body_expired(self) -> None:
+        """The request's body did not arrive in time: the connection closes, and the app reading it sees the client
+        gone (its handler ends without an answer, as for any client that leaves)."""
+        self._body_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     def _arm(self) -> None:
         if self._deadline is None:
@@ -62,8 +85,9 @@ class HeaderDeadline(HttpToolsProtocol):
 
 def server_config(app, settings) -> uvicorn.Config:
     # No proxy-headers layer: the gateway never reads the client's address, and the layer wraps every request.
-    headers_within = settings.header_timeout_s
+    protocol = partial(HeaderDeadline, header_timeout_s=settings.header_timeout_s,
+                       body_timeout_s=settings.body_timeout_s)
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
-                          loop="uvloop", http=partial(HeaderDeadline, header_timeout_s=headers_within),
+                          loop="uvloop", http=protocol,
                           proxy_headers=False, timeout_graceful_shutdown=int(settings.drain_s) or None,
                           timeout_keep_alive=settings.keep_alive_s)

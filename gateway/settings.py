@@ -105,6 +105,7 @@ class GatewaySettings(BaseSettings):
     # A connection whose request headers are not complete this long after it opened (or after the request's first
     # byte) is closed: uvicorn has no header-read timeout of its own (gateway/http_server.py).
     header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)  # and its body this long after its headers, else closed
     default_top_logprobs: int = 5
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Free form only when asked: token confidence's raw number is a second prefill of prompt + answer, 1.66x the

@@ -63,6 +63,7 @@ def test_a_registered_version_and_the_serving_list_are_fsynced(tmp_path, monkeyp
     for path in [folder, *folder.rglob("*")]:
         assert path.stat().st_ino in synced, path
     assert root.stat().st_ino in synced
+    assert tmp_path.stat().st_ino in synced  # the registry folder was new: its own entry too (found in review)
 
     synced.clear()
     registry.publish_served([version])

@@ -129,11 +129,14 @@ def test_requests_refused_before_their_route_are_counted(tmp_path):
     assert 'calm_requests_total{domain="unresolved",endpoint="completions",status="400"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/feedback", "/admin/keys"])
-def test_a_json_body_sent_as_a_form_is_told_to_say_it_is_json(http, path):
+@pytest.mark.parametrize("method, path", [("post", "/v1/chat/completions"), ("post", "/v1/feedback"),
+                                          ("post", "/admin/keys"), ("put", "/admin/policies/science")])
+def test_a_json_body_sent_as_a_form_is_told_to_say_it_is_json(http, method, path):
     """curl -d sends application/x-www-form-urlencoded: FastAPI then reads no JSON and answered a bare 'Input should
-    be a valid dictionary' with param null (65). The caller is told what to send."""
-    body = '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
-    refused = http.post(path, content=body, headers={**ADMIN, "Content-Type": "application/x-www-form-urlencoded"})
+    be a valid dictionary' with param null (65), while PUT /admin/policies, which reads its body itself, took it. One
+    rule now: the caller is told what to send."""
+    body = '{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "threshold": 0.5}'
+    refused = getattr(http, method)(path, content=body, headers={**ADMIN,
+                                                                 "Content-Type": "application/x-www-form-urlencoded"})
     assert refused.status_code == 400
     assert "Content-Type: application/json" in refused.json()["error"]["message"]

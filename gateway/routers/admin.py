@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi import Path as FastAPIPath
 from pydantic import ValidationError
 
-from gateway.errors import APIError, validation_message
+from gateway.errors import NOT_JSON, APIError, json_content_type, validation_message
 from gateway.keys import ClientKey, issue_key
 from gateway.labels import score_labelled
 from gateway.policies import Policy, resolve, stored_policy, unknown_target
@@ -63,6 +63,8 @@ async def put_policy(domain: DomainPath, request: Request, actor: str = Depends(
                      if_match: str | None = Header(default=None, pattern=r'^"?[0-9]+"?$'),
                      gateway: GatewayState = Depends(state)) -> PolicyOut:
     served_domain(gateway, domain, default=True)
+    if not json_content_type(request.headers.get("content-type")):  # one rule with every other route's body
+        raise APIError(400, NOT_JSON)
     try:
         policy = Policy.model_validate_json(await request.body())
     except ValidationError as e:
