@@ -48,15 +48,19 @@ def keys_create(
     domain: Annotated[Optional[list[str]], typer.Option("--domain", help="allowed domain (repeatable); all if none")] = None,
     rate: Annotated[Optional[float], typer.Option(help="requests per minute (token bucket); unlimited if unset")] = None,
     labeller: Annotated[bool, typer.Option(help="may give feedback on answers other keys received")] = False,
+    sequences: Annotated[Optional[int], typer.Option(
+        "--sequences-per-minute", help="engine sequences per minute over every replica; unlimited if unset")] = None,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
     from gateway.keys import issue_key
 
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
+    if sequences is not None and sequences <= 0:
+        raise typer.BadParameter("--sequences-per-minute must be positive")
     for name_ in domain or []:
         served_domain(name_, other=True)
-    created = issue_key(open_store(), name, list(domain) if domain else None, rate, labeller)
+    created = issue_key(open_store(), name, list(domain) if domain else None, rate, labeller, sequences)
     typer.echo(f"{created.key}\n(id {created.id}; shown once, store it now)")
 
 

@@ -33,6 +33,7 @@ from gateway.routers import admin, feedback, health, loop, openai
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.store import Store
+from gateway.usage import EngineWork
 
 log = logging.getLogger("calm.gateway")
 
@@ -59,7 +60,7 @@ def build_state(settings: GatewaySettings, engine: EngineClient, tokenizer, arti
     keyring = KeyRing(store, settings.api_keys_required)
     keyring.refresh()  # at start-up, not by the first request on the event loop
     return GatewayState(settings, store, prometheus, metrics, monitor, shared, deployments, artifacts, JobQueue(store),
-                        capture, capture_book, keyring, in_flight)
+                        capture, capture_book, keyring, in_flight, EngineWork(store, settings.usage_sync_s))
 
 
 async def prepared(engine) -> None:

@@ -40,6 +40,7 @@ class ClientKey:
     created_at: float
     revoked_at: float | None = None
     labeller: bool = False  # may give feedback on answers other keys received (in its domains)
+    sequences_per_minute: int | None = None  # engine work per minute over every replica (gateway/usage.py)
 
     def allows(self, domain: str) -> bool:
         return self.domains is None or domain in self.domains
@@ -121,16 +122,18 @@ class KeyRing(CachedRead[dict]):
                            retry_after_s=max(1, int(wait + 0.999)))
 
 
-def issue_key(store, name: str, domains: list[str] | None, requests_per_minute: float | None, labeller: bool = False):
+def issue_key(store, name: str, domains: list[str] | None, requests_per_minute: float | None, labeller: bool = False,
+              sequences_per_minute: int | None = None):
     """Create a key: its hash goes to the store, the key itself only to the caller (once). An id (or digest) already
     stored is drawn again: the insert fails as a whole, so nothing of the first draw is kept."""
     for attempt in range(ISSUE_TRIES):
         key_id, key = new_key()
         try:
-            at = store.add_client_key(key_id, name, hash_key(key), domains, requests_per_minute, labeller)
+            at = store.add_client_key(key_id, name, hash_key(key), domains, requests_per_minute, labeller,
+                                      sequences_per_minute)
             break
         except IntegrityError:
             if attempt == ISSUE_TRIES - 1:
                 raise
     return KeyCreated(id=key_id, name=name, domains=domains, requests_per_minute=requests_per_minute, created_at=at,
-                      labeller=labeller, key=key)
+                      labeller=labeller, sequences_per_minute=sequences_per_minute, key=key)

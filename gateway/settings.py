@@ -96,6 +96,8 @@ class GatewaySettings(BaseSettings):
     # read-back of free-form answers multiply it): beyond, 400. Unset: 16 x (max_tokens_limit + 1), room for 8 answers
     # of the longest allowed length read back (<= 2 sequences a token); a batch of prompts shares it.
     max_engine_sequences: int | None = Field(default=None, gt=0)
+    # How often a replica adds its keys' engine work to the shared tally and reads the others' (gateway/usage.py).
+    usage_sync_s: float = Field(default=1.0, gt=0)
     stream_write_timeout_s: float = Field(default=30.0, gt=0)  # a stream whose client reads nothing this long: closed
     drain_s: float = Field(default=30.0, ge=0)  # on shutdown, time given to requests in flight to finish
     # An idle client connection is closed after this long. Longer than the idle timeouts of the balancers and clients

@@ -17,6 +17,7 @@ from gateway.pipeline import SharedParts
 from gateway.retraining import CaptureBook
 from gateway.settings import GatewaySettings
 from gateway.store import Store
+from gateway.usage import EngineWork
 
 
 @dataclass
@@ -34,3 +35,4 @@ class GatewayState:
     capture_book: CaptureBook
     keyring: KeyRing
     in_flight: InFlight
+    usage: EngineWork  # engine sequences per key and minute, shared by the replicas on one database

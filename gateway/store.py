@@ -62,7 +62,8 @@ CLIENT_KEYS = Table("client_keys", META,
                     Column("requests_per_minute", Float),
                     Column("created_at", Float, nullable=False),
                     Column("revoked_at", Float),
-                    Column("labeller", Boolean))  # may give feedback on any answer of its domains
+                    Column("labeller", Boolean),  # may give feedback on any answer of its domains
+                    Column("sequences_per_minute", Integer))  # engine work per minute, all replicas (gateway/usage.py)
 
 
 class Store(Database):
@@ -230,15 +231,17 @@ class Store(Database):
 
     # -- client keys (hashes only; the key itself is shown once, at creation) ------------------------------------
     def add_client_key(self, key_id: str, name: str, key_sha256: str, domains: list[str] | None,
-                       requests_per_minute: float | None, labeller: bool = False) -> float:
+                       requests_per_minute: float | None, labeller: bool = False,
+                       sequences_per_minute: int | None = None) -> float:
         at = time.time()
         with self._write() as c:
             c.execute(CLIENT_KEYS.insert().values(
                 id=key_id, name=name, key_sha256=key_sha256, domains=json.dumps(domains) if domains is not None else None,
-                requests_per_minute=requests_per_minute, created_at=at, labeller=labeller))
+                requests_per_minute=requests_per_minute, created_at=at, labeller=labeller,
+                sequences_per_minute=sequences_per_minute))
             self._audit(c, f"key:{key_id}", 1, "create", None, json.dumps(
-                {"name": name, "domains": domains, "requests_per_minute": requests_per_minute, "labeller": labeller}),
-                "admin")
+                {"name": name, "domains": domains, "requests_per_minute": requests_per_minute, "labeller": labeller,
+                 "sequences_per_minute": sequences_per_minute}), "admin")
         return at
 
     def revoke_client_key(self, key_id: str) -> bool:
@@ -253,9 +256,9 @@ class Store(Database):
         k = CLIENT_KEYS.c
         with self.engine.connect() as c:
             rows = c.execute(select(k.id, k.name, k.domains, k.requests_per_minute, k.created_at, k.revoked_at,
-                                    k.key_sha256, k.labeller).order_by(k.created_at)).all()
-        return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5], bool(r[7])), r[6])
-                for r in rows]
+                                    k.key_sha256, k.labeller, k.sequences_per_minute).order_by(k.created_at)).all()
+        return [(ClientKey(r[0], r[1], tuple(json.loads(r[2])) if r[2] else None, r[3], r[4], r[5], bool(r[7]), r[8]),
+                 r[6]) for r in rows]
 
     def active_client_keys(self) -> dict[str, ClientKey]:
         """key hash -> ClientKey, revoked keys left out."""

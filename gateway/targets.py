@@ -19,6 +19,7 @@ import socket
 from typing import Literal
 
 import httpx
+from httpx._utils import URLPattern, get_environment_proxies
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 TARGET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -105,23 +106,57 @@ class AddressRefused(httpx.ConnectError):
 
 
 class GuardedTransport(httpx.AsyncBaseTransport):
-    """httpx's transport, refusing before it connects to an address the request's target may not reach."""
+    """httpx's transport, refusing before it connects to an address the request's target may not reach.
 
-    def __init__(self, inner: httpx.AsyncBaseTransport | None = None):
-        self._inner = inner or httpx.AsyncHTTPTransport()
+    The environment's proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY, as httpx itself reads them) are honoured:
+    httpx ignores them once a client is given its own transport, and a gateway behind an egress proxy could reach no
+    target. Through a proxy the proxy resolves the target's name (this host may not be able to), so only a host written
+    as an address is checked here; the proxy's own rules govern names."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None, limits: httpx.Limits | None = None):
+        self._limits = limits or httpx.Limits(max_connections=256)
+        self._inner = inner or httpx.AsyncHTTPTransport(limits=self._limits)
+        self._proxied: dict[str, httpx.AsyncBaseTransport] = {}
+
+    def _route(self, url: httpx.URL) -> tuple[httpx.AsyncBaseTransport, bool]:
+        """The transport for `url` and whether it goes through a proxy."""
+        proxy = _environment_proxy(url)
+        if proxy is None:
+            return self._inner, False
+        if proxy not in self._proxied:
+            self._proxied[proxy] = httpx.AsyncHTTPTransport(proxy=proxy, limits=self._limits)
+        return self._proxied[proxy], True
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         private = bool(request.extensions.get(PRIVATE_EXTENSION, False))
+        transport, proxied = self._route(request.url)
         host, port = request.url.host, request.url.port or (443 if request.url.scheme == "https" else 80)
-        try:
-            found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            raise httpx.ConnectError(f"cannot resolve {host}: {e}", request=request) from None
-        refused = sorted({info[4][0] for info in found if not address_allowed(info[4][0], private)})
+        if proxied:
+            try:
+                found = [ipaddress.ip_address(host)]
+            except ValueError:
+                found = []  # a name: the proxy resolves it
+            addresses = [str(ip) for ip in found]
+        else:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                raise httpx.ConnectError(f"cannot resolve {host}: {e}", request=request) from None
+            addresses = [info[4][0] for info in infos]
+        refused = sorted({a for a in addresses if not address_allowed(a, private)})
         if refused:
             raise AddressRefused(f"{host} resolves to {', '.join(refused)}, which this target may not reach "
                                  "(set `private` on the operator's target to allow it)", request=request)
-        return await self._inner.handle_async_request(request)
+        return await transport.handle_async_request(request)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
+        for transport in self._proxied.values():
+            await transport.aclose()
+
+
+def _environment_proxy(url: httpx.URL) -> str | None:
+    """The proxy the environment names for `url` (None: connect directly), read at each call as httpx reads it."""
+    # The most specific pattern first, as httpx orders its mounts (a NO_PROXY host before the scheme's proxy).
+    patterns = sorted(((URLPattern(p), proxy) for p, proxy in get_environment_proxies().items()), key=lambda m: m[0])
+    return next((proxy for pattern, proxy in patterns if pattern.matches(url)), None)

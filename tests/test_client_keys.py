@@ -142,3 +142,30 @@ def test_feedback_comes_from_the_key_that_got_the_answer_or_a_labeller(tmp_path)
         with store.engine.connect() as c:
             stored = dict(c.execute(select(FEEDBACK.c.response_id, FEEDBACK.c.key_id)).all())
         assert stored == {response_key(ids[0], 0): keys["asker"]["id"], response_key(ids[1], 0): keys["team"]["id"]}
+
+
+def test_a_keys_engine_work_is_limited_per_minute_across_replicas(database, tmp_path):
+    """Rate limits counted requests, per replica (63, item 5): one request scoring options token by token costs the
+    engines tens of requests' work, and N replicas allowed N times the rate. A key's `sequences_per_minute` counts the
+    engine sequences its requests started, summed over the replicas sharing the database."""
+    key = "db_url" if "://" in database else "db_path"
+    apps = [make_app(tmp_path / str(i), **{key: database, "registry_dir": tmp_path / str(i) / "registry",
+                                           "require_api_keys": True}) for i in range(2)]
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}  # 2 sequences each
+    with TestClient(apps[0]) as first, TestClient(apps[1]) as second:
+        created = first.post("/admin/keys", json={"name": "metered", "sequences_per_minute": 4}, headers=ADMIN).json()
+        assert created["sequences_per_minute"] == 4
+        for app in apps:
+            app.state.gateway.keyring.refresh()
+            app.state.gateway.usage.wall = lambda: 1_800_000_030.0  # one minute for the whole test, half of it left
+        bearer = {"Authorization": f"Bearer {created['key']}"}
+        assert [first.post("/v1/chat/completions", json=body, headers=bearer).status_code for _ in range(2)] == [200, 200]
+        apps[0].state.gateway.usage.refresh()  # its sync: what the next tick of usage_sync_s does
+        apps[1].state.gateway.usage.refresh()
+        refused = second.post("/v1/chat/completions", json=body, headers=bearer)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "engine_rate_limit_exceeded"
+        assert refused.headers["Retry-After"] == "30"
+        unmetered = first.post("/admin/keys", json={"name": "free"}, headers=ADMIN).json()
+        apps[1].state.gateway.keyring.refresh()
+        assert second.post("/v1/chat/completions", json=body,
+                           headers={"Authorization": f"Bearer {unmetered['key']}"}).status_code == 200

@@ -176,3 +176,44 @@ def test_an_admin_cannot_write_a_legacy_url_in_any_form():
             Policy.model_validate({"threshold": 0.5, "action": "review", "review": review})
     with pytest.raises(ValidationError, match="operator's"):
         Policy.model_validate({"threshold": 0.5, "action": "escalate", "escalate": {**TARGET, "legacy_url": None}})
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """An HTTP forward proxy that answers every request itself, recording the absolute URL it was asked for."""
+    asked: list[str] = []
+
+    def do_POST(self):  # noqa: N802
+        type(self).asked.append(self.path)
+        _Answering.do_POST(self)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_targets_are_reached_through_the_environments_proxy(monkeypatch):
+    """httpx ignores HTTP(S)_PROXY once a client has its own transport, so the address-checking transport made every
+    target unreachable behind an egress proxy (found in review). Through the proxy a name is the proxy's to resolve;
+    a host written as a private address is still refused, and NO_PROXY hosts are called directly."""
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), _Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+    monkeypatch.setenv("NO_PROXY", "direct.invalid")
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "Capital?"}]})
+    policy = EscalationTarget.model_validate({"target": "t", "model": "m", "timeout_s": 10.0})
+
+    async def ask(url: str):
+        escalator = Escalator(targets=Targets({"t": Target(url=url)}))
+        try:
+            return await escalator.ask(policy, req, 1, None)
+        finally:
+            await escalator.close()
+
+    try:
+        assert [a.text for a in asyncio.run(ask("http://strong.invalid/v1"))] == ["Paris"]
+        assert _Proxy.asked == ["http://strong.invalid/v1/chat/completions"]
+        for url, reason in (("http://169.254.169.254/v1", "address"), ("http://direct.invalid/v1", "connect")):
+            with pytest.raises(TargetFailed) as failed:
+                asyncio.run(ask(url))
+            assert failed.value.reason == reason and len(_Proxy.asked) == 1
+    finally:
+        proxy.shutdown()

@@ -73,6 +73,9 @@ class KeyCreate(BaseModel):
     # May give feedback on answers other keys received (a labelling team, a review tool); any other key only on the
     # answers it received itself.
     labeller: StrictBool = False
+    # Engine sequences per minute over every replica sharing the database (options x option tokens, samples, n,
+    # read-backs: what its requests cost the engines, not their count); unlimited when omitted.
+    sequences_per_minute: StrictInt | None = Field(default=None, gt=0, le=100_000_000)
 
 
 class KeyOut(BaseModel):
@@ -83,6 +86,7 @@ class KeyOut(BaseModel):
     created_at: float
     revoked_at: float | None = None
     labeller: bool = False
+    sequences_per_minute: int | None = None
 
 
 class KeyCreated(KeyOut):

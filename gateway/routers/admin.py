@@ -153,14 +153,15 @@ async def close_review(review_id: ReviewId, verdict: ReviewVerdict, actor: str =
 def key_out(key: ClientKey) -> KeyOut:
     return KeyOut(id=key.id, name=key.name, domains=list(key.domains) if key.domains else None,
                   requests_per_minute=key.requests_per_minute, created_at=key.created_at, revoked_at=key.revoked_at,
-                  labeller=key.labeller)
+                  labeller=key.labeller, sequences_per_minute=key.sequences_per_minute)
 
 
 @router.post("/admin/keys", responses=documented(400, 401, 403, 404), status_code=201)
 def create_key(body: KeyCreate, _: str = Depends(admin), gateway: GatewayState = Depends(state)) -> KeyCreated:
     for domain in body.domains or []:
         served_domain(gateway, domain)
-    created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute, body.labeller)
+    created = issue_key(gateway.store, body.name, body.domains, body.requests_per_minute, body.labeller,
+                        body.sequences_per_minute)
     gateway.keyring.refresh()
     return created
 

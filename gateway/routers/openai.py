@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
@@ -99,11 +99,13 @@ def serving(gateway: GatewayState, req: SamplingFields | ResponsesRequest, domai
 async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | ResponsesRequest, domain_header: str | None,
                  key: ClientKey | None, escalated: bool = False) -> Response:
     start, end = time.perf_counter(), asyncio.get_running_loop().time() + gateway.settings.request_deadline_s
-    engine_budget.set(EngineBudget(gateway.settings.engine_sequences_per_request))  # this request's task and its children
+    budget = EngineBudget(gateway.settings.engine_sequences_per_request)
+    engine_budget.set(budget)  # this request's task and its children
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
     slots = len(req.prompts()) if endpoint == "completions" else 1
     try:
         gateway.keyring.admit(key, domain)
+        gateway.usage.admit(key)
         deployment = serving(gateway, req, domain)  # before the slots: a 404 here must not keep one
         gateway.in_flight.acquire(slots)
         deployment.in_flight += 1
@@ -121,7 +123,8 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
                     if endpoint == "responses":
                         chunks = responses.events(chunks, req, ctxs[0].response_id)
                     chunks = within_deadline(chunks, end, gateway.settings.request_deadline_s)
-                    stream = held_until_done(counted(gateway, endpoint, domain, chunks), deployment)
+                    stream = held_until_done(counted(gateway, endpoint, domain, chunks), deployment,
+                                             lambda: gateway.usage.add(key, budget.spent))
                     held = True
                 else:
                     body = await batch.complete(service, ctxs)
@@ -129,6 +132,7 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
             if not held:
                 gateway.in_flight.release(slots)
                 deployment.in_flight -= 1
+                gateway.usage.add(key, budget.spent)  # spent whether or not it was answered
     except Exception as e:
         count_error(gateway, endpoint, domain, e)
         raise
@@ -177,10 +181,12 @@ async def counted(gateway: GatewayState, endpoint: str, domain: str, stream: Asy
         yield sse_error(error)
 
 
-async def held_until_done(stream: AsyncIterator[str], deployment: Deployment) -> AsyncIterator[str]:
+async def held_until_done(stream: AsyncIterator[str], deployment: Deployment,
+                          on_end: Callable[[], None]) -> AsyncIterator[str]:
     """A response stream that keeps its deployment in use until the last chunk (or the client's disconnect)."""
     try:
         async for piece in stream:
             yield piece
     finally:
         deployment.in_flight -= 1
+        on_end()
