@@ -15,6 +15,7 @@ import typer
 from calm_cli.common import gateway_settings, one_line_errors, open_store, served_domain
 from calm_cli.registry_commands import artifacts_app, jobs_app
 from calm_core.errors import CalmError
+from calm_core.prompts import AnswerFormat
 
 app = typer.Typer(help="CALM Gateway: calibrated LLM confidence.", no_args_is_help=True, add_completion=False)
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
@@ -272,7 +273,7 @@ def eval_cmd(
     names = list(dataset) + (list(MC_DATASETS) if all_mc else [])
     if not names:
         raise CalmError("name at least one --dataset, or pass --all-mc")
-    if answer_format not in (None, "letter", "cloze"):
+    if answer_format not in (None, AnswerFormat.LETTER, AnswerFormat.CLOZE):
         raise CalmError(f"--answer-format must be letter or cloze, not {answer_format!r}")
     specs = tuple(DatasetSpec.parse(n) for n in names)
     if any(s.open_ended for s in specs) and (not all(s.open_ended for s in specs) or answer_format):

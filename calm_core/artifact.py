@@ -27,7 +27,7 @@ from calm_core.alpha_head import AlphaHead, HeadKind
 from calm_core.atomic import atomic_dir, atomic_write_text
 from calm_core.errors import ArtifactError
 from calm_core.hashing import folder_index, index_mismatch, sha256_file
-from calm_core.prompts import AnswerFormatName
+from calm_core.prompts import AnswerFormat
 from calm_core.semantic import SemanticCalibration
 
 FORMAT_VERSION = 1
@@ -97,7 +97,7 @@ class ArtifactManifest(BaseModel):
     created_at: str
     method: str = "identity"
     # How the head was fitted to multiple-choice answers: one letter token, or each option's text (cloze).
-    answer_format: AnswerFormatName = "letter"
+    answer_format: AnswerFormat = AnswerFormat.LETTER
     # Which answers the weights and head were fitted for: multiple-choice scoring, free-form answers, or both (identity
     # and hand-made heads). A multiple-choice artifact may carry a free-form one in FREE_FORM_DIR (one artifact for every
     # request); without it, free-form answers come from the base model with its own probabilities.
@@ -138,7 +138,7 @@ def save_artifact(
     reference_histograms: dict[str, ReferenceHistogram] | None = None,
     adapter_dir: str | Path | None = None,
     artifact_version: str | None = None,
-    answer_format: str = "letter",
+    answer_format: AnswerFormat = AnswerFormat.LETTER,
     applies_to: str = "all",
 ) -> ArtifactManifest:
     """Write an artifact atomically: readers see the old folder or the complete new one, never a half-written one."""

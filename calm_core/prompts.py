@@ -7,15 +7,25 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from enum import StrEnum
+from typing import Protocol
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS, MCQuestion
 from calm_core.errors import ModelError
 
 LETTERS = tuple(string.ascii_uppercase[:MAX_OPTIONS])  # A..M
-# How an answer is scored: multiple choice by the answer letter after the chat-templated question, or by each option's
-# text (cloze); free-form answers by their generated tokens after the chat-templated question (generative).
-AnswerFormatName = Literal["letter", "cloze", "generative"]
+
+
+class AnswerFormat(StrEnum):
+    """How an answer is scored, and so how an artifact's head was fitted (its manifest's `answer_format`): multiple
+    choice by the answer letter after the chat-templated question, or by each option's text (cloze); free-form answers
+    by their generated tokens after the chat-templated question (generative; multiple choice then falls back to the
+    letter format). A StrEnum: it compares, hashes, prints and serialises as its value."""
+
+    LETTER = "letter"
+    CLOZE = "cloze"
+    GENERATIVE = "generative"
+
 
 INSTRUCTION = "Answer the following multiple-choice question with a single letter."
 
@@ -96,7 +106,7 @@ class PreparedPrompt:
         return self.option_letters is not None
 
 
-def options_prompt(tokenizer, question: str, choices: Sequence[str], answer_format: AnswerFormatName) -> PreparedPrompt:
+def options_prompt(tokenizer, question: str, choices: Sequence[str], answer_format: AnswerFormat) -> PreparedPrompt:
     """A multiple-choice question as the artifact's head was fitted: the letter format under the chat template, or the
     cloze prompt with each option's tokens (the gateway's explicit `options` and offline evaluation both use this)."""
     if answer_format == "cloze":

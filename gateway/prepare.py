@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from calm_core.artifact import LoadedArtifact
 from calm_core.engine import EngineClient, EngineRequest
-from calm_core.prompts import AnswerFormatName, PreparedPrompt
+from calm_core.prompts import AnswerFormat, PreparedPrompt
 from calm_core.scorers.base import PostHoc
 from gateway.errors import APIError
 from gateway.protocol.openai import SamplingFields
@@ -20,7 +20,7 @@ from gateway.settings import GatewaySettings
 class ServedArtifact:
     """What the gateway needs to know about the served artifact to route a request through it."""
 
-    answer_format: AnswerFormatName = "letter"  # how its head was fitted to multiple choice
+    answer_format: AnswerFormat = AnswerFormat.LETTER  # how its head was fitted to multiple choice
     multiple_choice_only: bool = False  # fitted to multiple choice: free-form answers need a free-form mode
     has_adapter: bool = False
     free_form_version: str | None = None  # the free-form mode inside the artifact (its own weights and head)

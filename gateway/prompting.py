@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from calm_core.prompts import (
-    LETTERS, AnswerFormatName, PreparedPrompt, detect_option_letters, letter_user_message, options_prompt,
+    LETTERS, AnswerFormat, PreparedPrompt, detect_option_letters, letter_user_message, options_prompt,
     parse_options_question, render_chat,
 )
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -22,10 +22,10 @@ def options_of(text: str, options: list[str] | None) -> tuple[str, tuple[str, ..
     return (text, tuple(options)) if options else parse_options_question(text)
 
 
-def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
+def prepare_chat(tokenizer, req: ChatCompletionRequest, answer_format: AnswerFormat = AnswerFormat.LETTER) -> PreparedPrompt:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    if answer_format == "cloze" and (found := options_of(messages[last_user]["content"], req.options)):
+    if answer_format == AnswerFormat.CLOZE and (found := options_of(messages[last_user]["content"], req.options)):
         return options_prompt(tokenizer, *found, "cloze")
     letters = None
     if req.options:
@@ -55,9 +55,9 @@ def _rendered(tokenizer, messages: tuple[tuple[str, str], ...]) -> str:
     return render_chat(tokenizer, [{"role": role, "content": content} for role, content in messages])
 
 
-def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormatName = "letter") -> PreparedPrompt:
+def prepare_completion(tokenizer, req: CompletionRequest, answer_format: AnswerFormat = AnswerFormat.LETTER) -> PreparedPrompt:
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    if answer_format == "cloze" and (found := options_of(prompt, req.options)):
+    if answer_format == AnswerFormat.CLOZE and (found := options_of(prompt, req.options)):
         return options_prompt(tokenizer, *found, "cloze")
     if req.options:
         return PreparedPrompt(letter_user_message(prompt, req.options) + "\nAnswer: ", LETTERS[: len(req.options)])

@@ -98,3 +98,17 @@ def test_project_modules_are_imported_at_the_top_of_a_file(package):
     inside = [f"{module} imports {target} inside a function" for module, path in sources((package,)).items()
               for target, local in imports(path) if local]
     assert not inside, inside
+
+
+def test_the_answer_format_has_one_spelling():
+    """The answer format was a Literal in calm_core/prompts.py, an enum in calm_core/scorers/registry.py, a string
+    check in the CLI, and `AnswerFormat` also named a training Protocol (64): one enum now, in calm_core."""
+    defined, spelled = [], []
+    for name, path in sources(PACKAGES + ("calm_cli",)).items():
+        tree = ast.parse(path.read_text())
+        defined += [f"{name}.{node.name}" for node in ast.walk(tree)
+                    if isinstance(node, ast.ClassDef) and node.name.startswith("AnswerFormat")]
+        spelled += [f"{name}:{node.lineno}" for node in ast.walk(tree)
+                    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal"
+                    and {"letter", "cloze"} & {getattr(e, "value", None) for e in ast.walk(node.slice)}]
+    assert defined == ["calm_core.prompts.AnswerFormat"] and spelled == []

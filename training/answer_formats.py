@@ -22,7 +22,7 @@ import torch
 
 from calm_core.alpha_head import apply_alpha
 from calm_core.data import MCQuestion
-from calm_core.prompts import AnswerFormatName, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
+from calm_core.prompts import AnswerFormat, cloze_option, cloze_prompt, cloze_tokens, letter_prompt, letter_token_ids
 from training.alpha_params import AlphaParams
 from training.generative import GenerativeFormat
 from training.cloze import PackedQuestion, encode_packed, option_scores, pack_question, token_entropy, token_logits
@@ -31,7 +31,9 @@ from training.top_layers import collate, encode_prefix, last_logits
 
 
 
-class AnswerFormat(Protocol):
+class FormatEncoder(Protocol):
+    """How a training or scoring run encodes questions in one answer format, and reads option logits back."""
+
     name: str
     generative: bool  # free-form answers: no options, evaluated by generation
 
@@ -142,7 +144,7 @@ class ClozeFormat(OptionLosses):
         return torch.unique(torch.cat([q.targets for q in items]))
 
 
-def answer_format(name: AnswerFormatName, tokenizer, targets: dict | None = None) -> AnswerFormat:
+def answer_format(name: AnswerFormat, tokenizer, targets: dict | None = None) -> FormatEncoder:
     """The format by name; the generative one needs each question's answer tokens (training/generative.py)."""
     if name == "generative":
         return GenerativeFormat(tokenizer, targets or {})

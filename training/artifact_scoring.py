@@ -18,7 +18,7 @@ from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import LoadedArtifact, load_artifact
 from calm_core.data import MCQuestion
 from calm_core.hashing import vocab_sha256
-from calm_core.prompts import AnswerFormatName
+from calm_core.prompts import AnswerFormat
 from calm_core.scorers.base import PostHoc
 from calm_core.scorers.questions import option_matrix, score_options
 from training.offline_engine import OfflineEngine
@@ -42,7 +42,7 @@ def load_served_model(model_path: str, adapter_dir: Path | None, dtype: str = "f
     return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
 
 
-def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormatName,
+def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormat,
                          head: AlphaHead | None, batch_size: int = 8,
                          progress: Callable[[int], None] | None = None, option_temperature: float = 1.0) -> np.ndarray:
     """(N, max options) each question's distribution over its options (padding columns 0), through the α head and a

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from calm_core.toml_config import load_toml_model
-from calm_core.prompts import AnswerFormatName
+from calm_core.prompts import AnswerFormat
 from training.methods import METHODS
 
 Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
@@ -25,7 +25,7 @@ class TrainConfig(BaseModel):
     # cloze: options scored by their text's length-normalised log-likelihood (α on every token of it);
     # letter: one letter at the answer position (stays at chance at 135M parameters);
     # generative: free-form answers (open-ended splits), the answer's tokens after the chat-templated question.
-    answer_format: AnswerFormatName = "cloze"
+    answer_format: AnswerFormat = AnswerFormat.CLOZE
 
     # Start θ (the LoRA adapter) and α (the head) from this artifact instead of zero and identity: the retraining
     # worker continues from the version serving the domain. Its adapter must have this config's LoRA shape.
@@ -71,7 +71,7 @@ class TrainConfig(BaseModel):
         spec = METHODS[self.method]
         if spec.head is not None:
             self.head = spec.head
-        if self.answer_format == "generative":
+        if self.answer_format == AnswerFormat.GENERATIVE:
             if not spec.free_form:
                 raise ValueError(f"method {self.method!r} does not apply to free-form answers")
             self.entropy_over = "vocab"  # free-form answers have no options: the entropy is the vocabulary's

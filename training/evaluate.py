@@ -21,7 +21,7 @@ from calm_core.errors import ConfigError
 from calm_core.metrics import calibration_report, top_label
 from calm_core.models import model_weights_sha256, resolve_model
 from calm_core.plots import reliability_diagram
-from calm_core.prompts import AnswerFormatName
+from calm_core.prompts import AnswerFormat
 from training.artifact_scoring import load_served_model, load_verified_artifact, option_probabilities
 from training.dataset_spec import DatasetSpec
 from training.scoring import load_tokenizer
@@ -32,7 +32,7 @@ class EvalConfig:
     datasets: tuple[DatasetSpec, ...]
     model: str | None = None  # None = embedded default
     artifact: str | None = None
-    answer_format: AnswerFormatName | None = None  # None: the artifact's, or letter without one
+    answer_format: AnswerFormat | None = None  # None: the artifact's, or letter without one
     limit: int | None = 300
     seed: int = 0
     batch_size: int = 8

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from calm_core.data import MCQuestion
 from calm_core.splits import ROLES, MaterializedSplit
-from training.answer_formats import AnswerFormat
+from training.answer_formats import FormatEncoder
 from training.cloze import PackedQuestion
 
 
@@ -45,7 +45,7 @@ def _key(weights_id: str, first_trained: int, fmt: str, texts: list[str]) -> str
 
 
 def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, weights_id: str, cache_dir: Path,
-                fmt: AnswerFormat, batch_size: int = 16) -> dict[str, dict[str, EncodedSet]]:
+                fmt: FormatEncoder, batch_size: int = 16) -> dict[str, dict[str, EncodedSet]]:
     """Per role and source label, the encoded questions; computed once per (model, layer, format, inputs)."""
     sets = {role: {label: qs for label, qs in split.sources[role].items()} for role in ROLES}
     flat = [q for d in sets.values() for qs in d.values() for q in qs]

@@ -264,7 +264,7 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         state = {
-            "step": self.step, "config": self.cfg.model_dump(),
+            "step": self.step, "config": self.cfg.model_dump(mode="json"),  # plain values: read with weights_only
             "theta": [p.detach().clone() for p in self.theta], "alpha": self.alpha.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "streams": {"train": self.train_stream.state(), "calib": self.calib_stream.state()},
@@ -284,7 +284,7 @@ class Trainer:
         if not path.is_file():
             return False
         state, problem = _read_checkpoint(path)
-        now = self.cfg.model_dump()
+        now = self.cfg.model_dump(mode="json")
         saved = state["config"] if state is not None else now
         changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         if state is not None and set(changed) - RESUMABLE_CHANGES:

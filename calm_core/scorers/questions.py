@@ -13,7 +13,8 @@ from calm_core.data import MCQuestion
 from calm_core.engine import EngineClient, EngineRequest
 from calm_core.prompts import options_prompt
 from calm_core.scorers.base import PostHoc, ScoredChoice, ScoringJob
-from calm_core.scorers.registry import AnswerFormat, Scorers
+from calm_core.prompts import AnswerFormat
+from calm_core.scorers.registry import Scorers
 
 
 async def score_options(engine: EngineClient, tokenizer, questions: list[MCQuestion], answer_format: AnswerFormat | str,

@@ -9,10 +9,8 @@ a `ConfidenceMethod` member.
 
 from __future__ import annotations
 
-from enum import Enum
-
 from calm_core.engine import EngineClient
-from calm_core.prompts import PreparedPrompt
+from calm_core.prompts import AnswerFormat, PreparedPrompt
 from calm_core.scorers.base import ConfidenceMethod, PostHoc, Scorer, ScoringPath
 from calm_core.scorers.free_form import SemanticScorer, TokenScorer
 from calm_core.scorers.options import ClozeOnePassScorer, ClozePerTokenScorer, LetterScorer
@@ -25,14 +23,6 @@ SCORERS: dict[ScoringPath, type] = {
     ScoringPath.SEMANTIC: SemanticScorer,
 }
 FREE_FORM_PATHS = {ConfidenceMethod.TOKEN: ScoringPath.TOKEN, ConfidenceMethod.SEMANTIC: ScoringPath.SEMANTIC}
-
-
-class AnswerFormat(str, Enum):
-    """How an artifact's head was fitted (its manifest's `answer_format`)."""
-
-    LETTER = "letter"
-    CLOZE = "cloze"
-    GENERATIVE = "generative"  # a free-form head: multiple choice falls back to the letter format
 
 
 def multiple_choice_path(answer_format: AnswerFormat, folded_scoring: bool) -> ScoringPath:
