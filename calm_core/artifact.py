@@ -162,9 +162,8 @@ def save_artifact(
             metrics=metrics or {},
             reference_histograms=reference_histograms or {},
             has_adapter=adapter_dir is not None,
-            files=_own_files(tmp),
         )
-        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+        manifest = _write_manifest(tmp, manifest)
     return manifest
 
 
@@ -308,10 +307,12 @@ def derive_version(parent: str | Path, out: str | Path, method: str, **changes) 
     return manifest
 
 
-def _write_manifest(folder: Path, manifest: ArtifactManifest) -> None:
-    """A manifest with the hashes of the files the folder holds (copied from a parent, checked when it was loaded)."""
+def _write_manifest(folder: Path, manifest: ArtifactManifest) -> ArtifactManifest:
+    """A manifest with the hashes of the files the folder holds (written there, or copied from a parent and checked
+    when it was loaded), as written."""
     manifest = manifest.model_copy(update={"files": _own_files(folder)})
     (folder / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2), encoding="utf-8")
+    return manifest
 
 
 def _copy_parts(src: Path, dst: Path, names: tuple[str, ...]) -> None:

@@ -179,12 +179,13 @@ def api_key(target: Target) -> str | None:
     return None
 
 
-def operator_target(targets: Targets, policy: EscalationTarget) -> Target:
-    """The operator's target a policy names (TargetFailed when the operator lists none by that name or URL)."""
-    found = targets.find(policy.target, policy.legacy_url)
+def operator_target(targets: Targets, name: str | None, legacy_url: str | None, kind: str = "escalate") -> Target:
+    """The operator's target of `kind` a policy names (TargetFailed when the operator lists none by that name or
+    URL)."""
+    found = targets.find(name, legacy_url, kind)
     if found is None:
-        named = policy.target or f"the URL {policy.legacy_url} (a policy stored before targets were named)"
-        raise TargetFailed("target", f"{named} is not one of the operator's targets (CALM_TARGETS)")
+        named = name or f"the URL {legacy_url} (a policy stored before targets were named)"
+        raise TargetFailed("target", f"{named} is not one of the operator's {kind} targets (CALM_TARGETS)")
     return found
 
 
@@ -204,8 +205,7 @@ class Escalator:
     @property
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(transport=GuardedTransport(
-                httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=256))))
+            self._client = httpx.AsyncClient(transport=GuardedTransport())  # its pools: 256 connections each
         return self._client
 
     async def post(self, target: Target, url: str, timeout_s: float, **kwargs) -> httpx.Response:
@@ -217,7 +217,7 @@ class Escalator:
     async def ask(self, policy: EscalationTarget, req: SamplingFields, n: int,
                   letters: tuple[str, ...] | None) -> list[TargetAnswer]:
         """The target's answers, or TargetFailed once `policy.timeout_s` has passed, whatever the target does."""
-        target = operator_target(self.targets, policy)
+        target = operator_target(self.targets, policy.target, policy.legacy_url)
         path, body = target_request(req, policy.model, target.protocol, n, letters is not None)
         content = json.dumps(body).encode()  # the exact bytes the hop signs
         headers = {"Content-Type": "application/json", **call_headers(target)}

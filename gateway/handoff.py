@@ -17,7 +17,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gateway.escalation import Escalator, TargetFailed, call_headers
+from gateway.escalation import Escalator, TargetFailed, call_headers, operator_target
 from gateway.handoff_store import HandoffStore, Review
 from gateway.monitoring import Metrics
 from gateway.policies import Action, ReviewTarget
@@ -125,9 +125,7 @@ class Handoff:
                 "confidence": review.confidence,
                 "created_at": review.created_at}
         try:
-            target = self.escalator.targets.find(hook.webhook, hook.legacy_url, kind="webhook")
-            if target is None:
-                raise LookupError(f"{hook.webhook or hook.legacy_url} is not one of the operator's targets")
+            target = operator_target(self.escalator.targets, hook.webhook, hook.legacy_url, kind="webhook")
             response = await self.escalator.post(target, target.url, hook.timeout_s, json=body,
                                                  headers=call_headers(target))
             response.raise_for_status()

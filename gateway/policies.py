@@ -105,17 +105,15 @@ class ReviewTarget(BaseModel):
     @classmethod
     def _operator_url(cls, data, info: ValidationInfo):
         hook = data.get("webhook") if isinstance(data, dict) else None
-        legacy = isinstance(data, dict) and "legacy_url" in data
-        if not (isinstance(hook, str) and "://" in hook) and not legacy:
+        url_hook = isinstance(hook, str) and "://" in hook
+        if not url_hook and not (isinstance(data, dict) and "legacy_url" in data):
             return data
-        if legacy and not _stored(info):
-            raise ValueError("review webhooks are the operator's: name one of the targets set in CALM_TARGETS")
-        if legacy and data["legacy_url"] is None and not (isinstance(hook, str) and "://" in hook):
-            return {k: v for k, v in data.items() if k != "legacy_url"}
         if not _stored(info):
             raise ValueError("review webhooks are the operator's: name one of the targets set in CALM_TARGETS")
+        if not url_hook:
+            return data  # as the gateway stored it: a name, or the legacy URL it kept
         rest = {k: v for k, v in data.items() if k != "webhook"}
-        return {**rest, "legacy_url": data.get("legacy_url", hook)}
+        return {**rest, "legacy_url": data.get("legacy_url") or hook}
 
 
 class Fallback(str, Enum):

@@ -100,6 +100,15 @@ def gateway_app(tmp_path, target, **settings):
     return app
 
 
+def answering_b(seen: list):
+    """A scripted target that answers "B" to every request, recording each in `seen`."""
+    def target(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}],
+                                         "usage": {"completion_tokens": 1}})
+    return target
+
+
 QUESTION = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "options": ["x", "y"],
             "metadata": {"domain": "science"}}
 
@@ -214,11 +223,7 @@ def test_only_a_peer_gateways_signed_hop_skips_the_hand_off_and_then_the_answer_
     from fastapi.testclient import TestClient
 
     seen = []
-
-    def target(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}],
-                                         "usage": {"completion_tokens": 1}})
+    target = answering_b(seen)
 
     monkeypatch.setenv("STRONG_KEY", "s3cret")
     policy = {"threshold": 0.8, "action": action, "message": "Ask a person."}

@@ -16,7 +16,7 @@ from gateway.escalation import Escalator, TargetFailed
 from gateway.policies import EscalationTarget
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.targets import Target, Targets, address_allowed
-from tests.test_escalation_logic import ADMIN, QUESTION, TARGET, TARGETS, gateway_app
+from tests.test_escalation_logic import ADMIN, QUESTION, TARGET, TARGETS, answering_b, gateway_app
 
 
 def test_an_admin_names_only_the_operators_targets(tmp_path):
@@ -50,11 +50,7 @@ def test_a_policy_stored_with_a_url_is_kept_and_calls_only_a_url_the_operator_li
     from fastapi.testclient import TestClient
 
     seen = []
-
-    def target(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}],
-                                         "usage": {"completion_tokens": 1}})
+    target = answering_b(seen)
 
     monkeypatch.setenv("STRONG_KEY", "operators-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")

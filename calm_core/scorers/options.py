@@ -161,10 +161,10 @@ class ClozeOnePassScorer(_ClozeScorer):
         options = tokens.options
         # Worth it once the question fills a cache block; shorter ones would only wait for the first option.
         if getattr(self.engine, "prefix_reuse", False) and len(options) > 1 and n_prompt >= self.engine.prefix_block:
-            rest = [job(k, o, reuse=True) for k, o in enumerate(options[1:], 1)]
-            with prepaid([job(0, options[0], reuse=False), *rest]):
-                first = await generate(self.engine, job(0, options[0], reuse=False))
-                outs = [first, *await asyncio.gather(*(generate(self.engine, r) for r in rest))]
+            first, rest = job(0, options[0], reuse=False), [job(k, o, reuse=True) for k, o in enumerate(options[1:], 1)]
+            with prepaid([first, *rest]):
+                outs = [await generate(self.engine, first),
+                        *await asyncio.gather(*(generate(self.engine, r) for r in rest))]
         else:
             jobs = [job(k, o, reuse=False) for k, o in enumerate(options)]
             with prepaid(jobs):
