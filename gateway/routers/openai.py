@@ -30,24 +30,28 @@ from gateway.state import GatewayState
 from gateway.wire import calibration_headers
 
 router = APIRouter()
-ANSWER_ERRORS = documented(400, 401, 403, 404, 413, 429, 500, 503, 504)
+# A 200 is JSON, or with `stream: true` server-sent events: both in the contract (schemathesis checks content types).
+ANSWER_RESPONSES = {200: {"description": "the answer; with `stream: true`, server-sent events ending with [DONE]",
+                       "content": {"text/event-stream": {"schema": {  # each event: a JSON chunk, or [DONE]
+                           "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}}}},
+                 **documented(400, 401, 403, 404, 413, 429, 500, 503, 504)}
 
 
 # The answer routes read the state from the request itself: one dependency fewer to solve on the hot path.
-@router.post("/v1/chat/completions", responses=ANSWER_ERRORS)
+@router.post("/v1/chat/completions", responses=ANSWER_RESPONSES)
 async def chat_completions(req: ChatCompletionRequest, raw_request: Request,
                            x_calm_domain: str | None = Header(default=None), key: ClientKey | None = Depends(client)):
     return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key, await escalated_here(raw_request))
 
 
-@router.post("/v1/completions", responses=ANSWER_ERRORS)
+@router.post("/v1/completions", responses=ANSWER_RESPONSES)
 async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                       key: ClientKey | None = Depends(client)):
     return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key,
                         await escalated_here(raw_request))
 
 
-@router.post("/v1/responses", responses=ANSWER_ERRORS)
+@router.post("/v1/responses", responses=ANSWER_RESPONSES)
 async def responses_api(req: ResponsesRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                         key: ClientKey | None = Depends(client)):
     return await answer(raw_request.app.state.gateway, "responses", req, x_calm_domain, key,
