@@ -65,7 +65,7 @@ BLOCKS = [
     Block("test-runs", "bash scripts/fresh_clone_test.sh 1", RESULTS / "test-runs.md"),
     Block("test-times", "bash scripts/fresh_clone_test.sh 1", RESULTS / "test-times.md", times_table),
     Block("slow-machine", "bash scripts/slow_machine_test.sh", RESULTS / "slow-machine.md"),
-    Block("conformance", "pytest tests/test_openai_conformance.py", REPO / "reports" / "conformance.md"),
+    Block("conformance", "CALM_RECORD_RESULTS=1 pytest tests/test_openai_conformance.py", RESULTS / "conformance.md"),
     Block("fuzz", "CALM_RECORD_RESULTS=1 CALM_FUZZ_EXAMPLES=150 pytest tests/test_fuzz.py (then without the "
           "examples variable)", RESULTS / "fuzz.md"),
     Block("bf16", "CALM_RECORD_RESULTS=1 pytest tests/test_bf16_budget.py", RESULTS / "bf16_budget.md"),

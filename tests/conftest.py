@@ -103,7 +103,7 @@ def s3_store(tmp_path_factory):
     every S3 client here reads, also set in this process while the module runs; give them to subprocesses)."""
     from tests.servers import free_port, running
 
-    pytest.importorskip("s3fs")
+    import s3fs  # noqa: F401  (in the lock: a missing s3fs fails here, it does not skip the fleet's files)
     port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]

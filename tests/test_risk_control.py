@@ -14,6 +14,7 @@ from scipy.stats import binom
 from calm_core.risk_control import (
     guaranteed_threshold, label_free_threshold, oracle_threshold, selective_risk, start_from_reference,
 )
+from tests.recorded import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 SCORES = REPO / "reports" / "policy-arc-easy"
@@ -122,7 +123,7 @@ def test_guarantee_holds_on_the_shipped_artifacts_real_scores():
     slack = binom.ppf(0.999, SPLITS, DELTA) / SPLITS - DELTA  # 99.9 % upper bound of a δ-rate over the splits
     assert result["guaranteed"]["violations"] <= DELTA + slack, result
     assert 0 < result["guaranteed"]["coverage"] <= result["oracle"]["coverage"], result
-    (SCORES / "validity.json").write_text(json.dumps({"alpha": ALPHA, "delta": DELTA, "labelled": N_LABELLED,
+    (results_dir() / "risk_validity.json").write_text(json.dumps({"alpha": ALPHA, "delta": DELTA, "labelled": N_LABELLED,
                                                       "splits": SPLITS, "slack": slack, **result}, indent=2))
 
 
