@@ -91,7 +91,8 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
     with running(calm_argv("serve", "--port", str(port)), f"{url}/health", work / "gateway.log", env) as gateway:
         samples: list = []
         stop = threading.Event()
-        sampler = threading.Thread(target=sample_memory, args=(gateway.pid, 5.0, stop, samples), daemon=True)
+        # Every 2 s: the quick form's 10 s after warm-up still give the memory check 5 samples to compare.
+        sampler = threading.Thread(target=sample_memory, args=(gateway.pid, 2.0, stop, samples), daemon=True)
         sampler.start()
         locust_env = {**os.environ, "LOAD_QUESTIONS": str(work / "questions.json"), "LOAD_COUNTS": str(work / "counts.json")}
         argv = [sys.executable, "-m", "locust", "-f", str(REPO / "benchmarks" / "locustfile.py"), "--headless",
@@ -129,8 +130,10 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
         "policy writes counted back": counts["policy_puts"] == result["policy_version"] == audit,
         # The gateway's own process: where a leak of ours (per request state kept) would show. The engine processes
         # are reported beside it (vLLM's allocator grows with the batch shapes it has seen; see docs/configuration.md).
-        "gateway memory flat after warm-up (end within 5% + 20 MiB of the first sample after warm-up)":
-            bool(own) and own[-1] <= 1.05 * own[0] + 20,
+        # What it can see is bounded by the run: at least 3 samples after warm-up (fewer would compare a sample with
+        # itself), and a growth over 5% + 20 MiB within the run; a slow leak needs the long form's hours of requests.
+        f"gateway process memory: the last of {len(own)} samples after warm-up within 5% + 20 MiB of the first "
+        f"(at least 3 samples)": len(own) >= 3 and own[-1] <= 1.05 * own[0] + 20,
     }
     (out / "load.json").write_text(json.dumps(result, indent=1))
     (out / "load.md").write_text(markdown(result))

@@ -1,6 +1,7 @@
 """The load suite's quick form (benchmarks/load_suite.py; docs/configuration.md's numbers come from its full form): concurrent
 Locust clients against `calm serve` on the real engine; only 200 and 429 answers, every acknowledged write in the
-database, memory not growing after warm-up."""
+database, the gateway's own memory not growing beyond 5% + 20 MiB across at least 3 samples after warm-up (a run of
+20 s catches a runaway growth, not a slow leak: that is the long form's job)."""
 
 from __future__ import annotations
 
