@@ -238,6 +238,21 @@ def test_a_job_retraining_both_modes_takes_the_stricter_gate():
     (GateInputs(0.54, 0.55, 80, 0.05, 0.10), "promote", "ECE 0.050"),
     (GateInputs(0.60, 0.55, 80, 0.12, 0.10), "reject", "above the active version's"),
     (GateInputs(0.60, 0.55, 10, 0.30, 0.10), "operator", "10 labels"),  # too few labels to judge ECE on
+    # A lower ECE bought with discrimination: AUROC on the test questions fell by more than the tolerance.
+    (GateInputs(0.55, 0.55, candidate_auroc=0.545, active_auroc=0.642), "reject",
+     "AUROC 0.545 below the active version's 0.642 - 0.02 on the test questions"),
+    (GateInputs(0.55, 0.55, candidate_auroc=0.63, active_auroc=0.642), "operator", "AUROC 0.630 >= the active"),
+    # Label-free: the candidate answers differently, or ranks its confidences differently, on the captured traffic.
+    (GateInputs(0.55, 0.55, choice_agreement=0.80, confidence_correlation=0.99), "reject",
+     "chosen option kept on 80.0% of the captured prompts (below 95%)"),
+    (GateInputs(0.55, 0.55, choice_agreement=1.0, confidence_correlation=0.5), "reject",
+     "confidence ranking correlation 0.500 with the active version's on the captured prompts (below 0.9)"),
+    (GateInputs(0.55, 0.55, choice_agreement=0.99, confidence_correlation=0.95), "operator", "kept on 99.0%"),
+    # With labels: a candidate whose ECE fell but whose AUROC on them fell too is rejected.
+    (GateInputs(0.55, 0.55, 80, 0.05, 0.10, candidate_feedback_auroc=0.55, active_feedback_auroc=0.60), "reject",
+     "AUROC 0.550 below the active version's 0.600 - 0.02 on 80 labels"),
+    (GateInputs(0.55, 0.55, 80, 0.05, 0.10, candidate_feedback_auroc=0.59, active_feedback_auroc=0.60), "promote",
+     "AUROC 0.590 >= the active version's 0.600 - 0.02 on 80 labels"),
 ])
 def test_gate(inputs, outcome, reason):
     decision = gate(LoopConfig(accuracy_tolerance=0.02, min_feedback_labels=50), inputs)

@@ -11,7 +11,7 @@ from calm_core.toml_config import load_toml_model
 from calm_core.prompts import AnswerFormat
 from training.methods import METHODS
 
-Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar"]
+Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar", "calm_head"]
 
 
 class TrainConfig(BaseModel):

@@ -60,8 +60,10 @@ def step_iterate(t: "Trainer") -> dict:
     return {"g": float(g.detach()), "f": float(f.detach())}
 
 
-def step_calm(t: "Trainer") -> dict:
-    """The BOME step: T inner steps give θ̃; q = g(α,θ) − g(α,θ̃); move (θ, α) along ∇f + λ∇q."""
+def step_calm(t: "Trainer", hold_theta: bool = False) -> dict:
+    """The BOME step: T inner steps give θ̃; q = g(α,θ) − g(α,θ̃); move (θ, α) along ∇f + λ∇q. With `hold_theta`
+    only α moves, along the α part of that direction (λ from α's gradients alone): θ̃ still defines the constraint,
+    but θ, hence every answer's ranking of options before the head, stays the parent's."""
     cfg = t.cfg
     train, calib = t.train_stream.next(), t.calib_stream.next()
     alpha = t.alpha.trainable()
@@ -90,10 +92,19 @@ def step_calm(t: "Trainer") -> dict:
     f = t.f(calib)
     grad_f = list(torch.autograd.grad(f, t.theta + alpha, allow_unused=True))
     grad_f = [torch.zeros_like(p) if gr is None else gr for p, gr in zip(t.theta + alpha, grad_f)]
-    step = bome_direction(grad_f, grad_q, cfg.eta)
-    t.apply(t.theta + alpha, step.direction)
+    if hold_theta:
+        n = len(t.theta)
+        step = bome_direction(grad_f[n:], grad_q[n:], cfg.eta)
+        t.apply(alpha, step.direction)
+    else:
+        step = bome_direction(grad_f, grad_q, cfg.eta)
+        t.apply(t.theta + alpha, step.direction)
     return {"g": float(g.detach()), "f": float(f.detach()), "q": float((g - g_tilde).detach()), "lambda": step.lam,
             "grad_q_sq": step.grad_q_sq, "entropy": -float(f.detach())}
+
+
+def step_calm_head(t: "Trainer") -> dict:
+    return step_calm(t, hold_theta=True)
 
 
 @dataclass(frozen=True)
@@ -113,4 +124,6 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec("iterate", step_iterate, trains_alpha=True),
     MethodSpec("calm", step_calm, trains_alpha=True),
     MethodSpec("calm_scalar", step_calm, trains_alpha=True, head="scalar"),
+    # CALM with θ held: the retraining loop's label-free head-only candidate (docs/retraining-loop.md).
+    MethodSpec("calm_head", step_calm_head, trains_alpha=True, head="scalar"),
 )}

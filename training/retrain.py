@@ -39,6 +39,7 @@ from calm_core.engine import EngineFactory
 from calm_core.db import Database
 from calm_core.errors import CalmError
 from calm_core.jobs import Job, JobQueue
+from calm_core.label_free import choice_movement
 from calm_core.metrics import calibration_report
 from calm_core.registry import Registry
 from calm_core.models import resolve_model
@@ -79,6 +80,40 @@ def metrics_of(probs: np.ndarray, questions: list[MCQuestion]) -> dict:
     # AUROC is undefined when every answer is right (or wrong): None, so the metrics stay valid JSON.
     return {k: float(report[k]) if np.isfinite(report[k]) else None
             for k in ("n", "accuracy", "mean_confidence", "ece_10", "auroc", "brier")}
+
+
+def judged_result(calibration: list[MCQuestion], tests: list[MCQuestion], judged: list[MCQuestion], n_labels: int,
+                  candidate: tuple[np.ndarray, ...], active: tuple[np.ndarray, ...] | None) -> dict:
+    """The gate's numbers of a multiple-choice candidate against the active version (None: the domain has none): on
+    the test questions, on the uploaded labels (`judged`, when enough) and, label-free, how far it moved from the
+    active version on the captured prompts (`calibration`). Each of `candidate` and `active` holds the option
+    probabilities of those three sets, in that order."""
+    candidate_m = metrics_of(candidate[1], tests)
+    active_m = metrics_of(active[1], tests) if active else None
+    inputs = {"candidate_accuracy": candidate_m["accuracy"], "active_accuracy": active_m["accuracy"] if active_m else 0.0,
+              "feedback_labels": n_labels, "candidate_auroc": candidate_m["auroc"],
+              "active_auroc": active_m["auroc"] if active_m else None}
+    movement = {}
+    if active:
+        movement = asdict(choice_movement(active[0], candidate[0]))
+        inputs.update(movement)
+    feedback = {}
+    if judged and active:
+        feedback = {"candidate": metrics_of(candidate[2], judged), "active": metrics_of(active[2], judged)}
+        inputs.update(candidate_feedback_ece=feedback["candidate"]["ece_10"],
+                      active_feedback_ece=feedback["active"]["ece_10"],
+                      candidate_feedback_auroc=feedback["candidate"]["auroc"],
+                      active_feedback_auroc=feedback["active"]["auroc"])
+    return {"captured_prompts": len(calibration), "in_domain": {"candidate": candidate_m, "active": active_m},
+            "labels": feedback, "captured": movement, "inputs": asdict(GateInputs(**inputs))}
+
+
+def judged_summary(in_domain: dict) -> str:
+    """The test questions' numbers of candidate and active version, for the job's log."""
+    cand, active = in_domain["candidate"], in_domain["active"] or {}
+    number = lambda m, k: "n/a" if m.get(k) is None else f"{m[k]:.3f}"  # noqa: E731
+    return ", ".join(f"{name} {number(cand, key)} (active {number(active, key)})" for name, key in (
+        ("accuracy", "accuracy"), ("mean confidence", "mean_confidence"), ("ECE-10", "ece_10"), ("AUROC", "auroc")))
 
 
 # -- the worker ------------------------------------------------------------------------------------------------------
@@ -257,18 +292,11 @@ class Worker:
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
         # One load of the candidate's weights for everything it is scored on, one of the active version's.
         cand_calib, cand_tests, cand_labels = served_probabilities(exported, model_path, calibration, tests, judged)
-        active_tests, active_labels = (served_probabilities(parent_artifact.path, model_path, tests, judged)
-                                       if parent_artifact else (None, None))
-        active_m = metrics_of(active_tests, tests) if parent_artifact else None
-        candidate_m = metrics_of(cand_tests, tests)
-        inputs = GateInputs(candidate_m["accuracy"], active_m["accuracy"] if active_m else 0.0, len(labelled))
-        feedback = {}
-        if judged:
-            feedback = {"candidate": metrics_of(cand_labels, judged), "active": metrics_of(active_labels, judged)}
-            inputs = GateInputs(inputs.candidate_accuracy, inputs.active_accuracy, len(labelled),
-                                feedback["candidate"]["ece_10"], feedback["active"]["ece_10"])
-        result = {"captured_prompts": len(calibration), "in_domain": {"candidate": candidate_m, "active": active_m},
-                  "labels": feedback, "inputs": asdict(inputs)}
+        active_calib, active_tests, active_labels = (
+            served_probabilities(parent_artifact.path, model_path, calibration, tests, judged)
+            if parent_artifact else (None, None, None))
+        result = judged_result(calibration, tests, judged, len(labelled), (cand_calib, cand_tests, cand_labels),
+                               (active_calib, active_tests, active_labels) if parent_artifact else None)
         return exported, result, cand_calib.max(axis=1)
 
     @staticmethod
@@ -336,10 +364,7 @@ class Worker:
         if FREE_FORM in result:  # both modes retrained: both must pass
             decision = both(decision, gate(self.cfg, GateInputs(**result[FREE_FORM]["inputs"])))
         result = {**result, "gate": decision.as_dict()}
-        cand, active = result["in_domain"]["candidate"], result["in_domain"]["active"] or {}
-        summary = (f"candidate {version}: accuracy {cand['accuracy']:.3f} (active {active.get('accuracy', float('nan')):.3f}), "
-                   f"ECE-10 {cand['ece_10']:.3f} (active {active.get('ece_10', float('nan')):.3f}); "
-                   f"{decision.outcome}: {'; '.join(decision.reasons)}")
+        summary = f"candidate {version}: {judged_summary(result['in_domain'])}; {decision.outcome}: {'; '.join(decision.reasons)}"
         beat.note(summary)
         if decision.outcome == "promote":
             self.registry.promote(version, job.domain, actor=f"worker {self.name}")

@@ -27,6 +27,7 @@ from calm_core.capture import CapturedPrompt
 from calm_core.data import load_open_file
 from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
+from calm_core.label_free import confidence_correlation
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
 from training.config import TrainConfig, load_config
@@ -58,6 +59,14 @@ def metrics_of(records: list[FreeFormRecord]) -> dict:
     m = free_form_metrics(records)
     return {k: (float(m[k]) if np.isfinite(m[k]) else None) for k in ("n", "accuracy", "mean_confidence", "ece_10",
                                                                       "auroc", "brier")}
+
+
+def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord]) -> dict:
+    """Label-free, on the captured prompts: the share whose greedy answer stays the active mode's, and the rank
+    correlation of the two modes' token confidences."""
+    same = float(np.mean([a.text.strip() == c.text.strip() for a, c in zip(active, candidate)])) if active else 1.0
+    rho = confidence_correlation([r.token_confidence for r in active], [r.token_confidence for r in candidate])
+    return {"choice_agreement": same, "confidence_correlation": rho}
 
 
 def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], domain: str, work: Path) -> Path:
@@ -101,18 +110,24 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
     judged = labels if len(labels) >= settings.min_feedback_labels and parent_mode is not None else []
     reference = captured_open_questions(latest() if latest else prompts, domain)[-settings.max_prompts:]
     cand = evaluate_sets(engines, model_path, exported, {"tests": tests, "labels": judged, "captured": reference}, 0)
-    active = (evaluate_sets(engines, model_path, parent_mode, {"tests": tests, "labels": judged}, 0)
+    active = (evaluate_sets(engines, model_path, parent_mode, {"tests": tests, "labels": judged, "captured": reference}, 0)
               if parent_mode is not None else None)
     in_domain = {"candidate": metrics_of(cand["tests"]), "active": metrics_of(active["tests"]) if active else None}
     inputs = {"candidate_accuracy": in_domain["candidate"]["accuracy"],
-              "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels)}
+              "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels),
+              "candidate_auroc": in_domain["candidate"]["auroc"],
+              "active_auroc": in_domain["active"]["auroc"] if active else None}
+    movement = answer_movement(active["captured"], cand["captured"]) if active else {}
+    inputs.update(movement)
     on_labels = {}
     if judged:
         on_labels = {"candidate": metrics_of(cand["labels"]), "active": metrics_of(active["labels"])}
         inputs.update(candidate_feedback_ece=on_labels["candidate"]["ece_10"],
-                      active_feedback_ece=on_labels["active"]["ece_10"])
+                      active_feedback_ece=on_labels["active"]["ece_10"],
+                      candidate_feedback_auroc=on_labels["candidate"]["auroc"],
+                      active_feedback_auroc=on_labels["active"]["auroc"])
     result = {"parent_mode": parent_mode.parent.name if parent_mode else None, "captured_prompts": len(captured),
-              "reference_prompts": len(reference),
-              "in_domain": in_domain, "labels": on_labels, "inputs": inputs}
+              "reference_prompts": len(reference), "in_domain": in_domain, "labels": on_labels, "captured": movement,
+              "inputs": inputs}
     confidences = np.array([r.token_confidence for r in cand["captured"]])
     return FreeFormCandidate(exported, result, confidences)
