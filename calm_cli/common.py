@@ -86,29 +86,23 @@ def open_registry(settings=None):
 
 
 def served_domain(domain: str, other: bool) -> str:
-    """`domain` if requests can name it on a gateway with these settings (as the admin API checks): its default
-    version's reference domains, CALM_DOMAINS and `other` where allowed. Before any gateway has registered its
-    default version only the spelling can be checked. Anything else is stored but never applies."""
-    import re
-
+    """`domain` if requests can name it on a gateway with these settings, by the admin API's rule
+    (calm_core/domains.py): its default version's reference domains, CALM_DOMAINS and `other` where allowed. Before
+    any gateway has registered its default version only the spelling can be checked. Anything else is stored but never
+    applies."""
     from calm_core.artifact import read_manifest
+    from calm_core.domains import checked_name, known_domains
+    from calm_core.domains import served_domain as domain_rule
     from calm_core.registry import GLOBAL
-    from gateway.monitoring import OTHER, known_domains
-    from gateway.protocol.common import DOMAIN_NAME
 
-    if not re.match(DOMAIN_NAME, domain):  # requests' domains are lower-cased: another spelling never matches
-        raise CalmError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
+    checked_name(domain)
     settings = gateway_settings()
     registry = open_registry(settings)
     default = registry.active().get(GLOBAL)
     if default is None:
         return domain
-    served = known_domains(read_manifest(registry.path_of(default)).get("reference_histograms") or {},
-                           settings.domains) - (set() if other else {OTHER})
-    if domain not in served:
-        raise CalmError(f"{domain!r} is not a domain the gateway serves: requests naming it are served and counted as "
-                        f"'other'. Served: {', '.join(sorted(served))}; name more in CALM_DOMAINS")
-    return domain
+    references = read_manifest(registry.path_of(default)).get("reference_histograms") or {}
+    return domain_rule(domain, known_domains(references, settings.domains), other=other)
 
 
 def echo_json(data) -> None:

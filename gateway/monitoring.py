@@ -13,10 +13,10 @@ from functools import lru_cache
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from calm_core.artifact import ReferenceHistogram
+from calm_core.domains import OTHER, known_domains
 from gateway.drift import ConfidenceWindow
 from gateway.online_calibration import online_accuracy_and_ece
 
-OTHER = "other"
 _CONF_BUCKETS = tuple(round(0.05 * i, 2) for i in range(1, 21))
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _ENTROPY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
@@ -81,12 +81,6 @@ def reference_mean(ref: ReferenceHistogram) -> float:
     centres = [(lo + hi) / 2 for lo, hi in zip(ref.bin_edges[:-1], ref.bin_edges[1:])]
     total = sum(ref.counts)
     return sum(c * n for c, n in zip(centres, ref.counts)) / total if total else float("nan")
-
-
-def known_domains(references, configured) -> set[str]:
-    """The domains requests can name (any other is `other`): a serving artifact's reference domains and the
-    configured ones (CALM_DOMAINS)."""
-    return set(references) | set(configured) | {OTHER}
 
 
 class DomainMonitor:

@@ -47,7 +47,7 @@ def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(t
     store.close()
     for argv in (("keys", "create", "--name", "t", "--domain", "legal"), ("jobs", "create", "legal"),
                  ("artifacts", "promote", version, "--domain", "legal"), ("jobs", "create", "other")):
-        assert_one_line_error(run_calm(*argv, env=env), "is not a domain the gateway serves")
+        assert_one_line_error(run_calm(*argv, env=env), "is not a domain this gateway serves")
     assert run_calm("jobs", "create", "medicine", env=env).returncode == 0  # a reference domain of the artifact
     assert run_calm("keys", "create", "--name", "t", "--domain", "legal", env={**env, "CALM_DOMAINS": '["legal"]'}).returncode == 0
 

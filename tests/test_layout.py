@@ -112,3 +112,16 @@ def test_the_answer_format_has_one_spelling():
                     if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "Literal"
                     and {"letter", "cloze"} & {getattr(e, "value", None) for e in ast.walk(node.slice)}]
     assert defined == ["calm_core.prompts.AnswerFormat"] and spelled == []
+
+
+def test_the_domain_rule_has_one_spelling():
+    """Which names a request's domain may take and which domains a gateway serves were written in the admin API's
+    dependencies, the protocol and the CLI (64): calm_core/domains.py holds the pattern, `other` and the rule."""
+    pattern, other, rule = [], [], []
+    for name, path in sources(PACKAGES + ("calm_cli",)).items():
+        tree = ast.parse(path.read_text())
+        pattern += [name for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and "[a-z0-9_\\-]" in node.value]
+        other += [name for node in ast.walk(tree) if isinstance(node, ast.Assign) and ast.unparse(node.value) == "'other'"]
+        rule += [name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "known_domains"]
+    assert (pattern, other, rule) == (["calm_core.domains"],) * 3

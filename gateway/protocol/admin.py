@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints, model_validator
 
 from calm_core.data import MAX_OPTIONS, MIN_OPTIONS
-from gateway.protocol.common import DOMAIN_NAME, StrictInt
+from calm_core.domains import DOMAIN_NAME
+from gateway.protocol.common import StrictInt
 
 
 class LabelledQuestion(BaseModel):

@@ -29,7 +29,6 @@ NonBlankStr = Annotated[str, StringConstraints(strict=True, pattern=NONBLANK)]
 def blank(text: str) -> bool:
     """No character but white space, as the schema's NONBLANK pattern sees it."""
     return not text.strip(WHITE_SPACE)
-DOMAIN_NAME = r"^[a-z0-9][a-z0-9_\-]{0,63}$"
 
 
 class ErrorInfo(BaseModel):

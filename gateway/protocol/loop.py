@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictStr, StringConstraints
 
-from gateway.protocol.common import DOMAIN_NAME, StrictInt
+from calm_core.domains import DOMAIN_NAME, DOMAIN_OR_GLOBAL
+from gateway.protocol.common import StrictInt
 
 
 class AlertmanagerAlert(BaseModel):
@@ -47,7 +48,7 @@ class JobCreate(BaseModel):
 class Promotion(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    domain: Annotated[str, StringConstraints(strict=True, pattern=r"^(\*|[a-z0-9][a-z0-9_\-]{0,63})$")] = "*"
+    domain: Annotated[str, StringConstraints(strict=True, pattern=DOMAIN_OR_GLOBAL)] = "*"
 
 
 class CaptureSettingsIn(BaseModel):

@@ -4,22 +4,21 @@ domain rules (a valid name; one this gateway tells apart)."""
 from __future__ import annotations
 
 import hmac
-import re
 from http import HTTPStatus
 from typing import Annotated
 
 from fastapi import Header, Request
 from fastapi import Path as FastAPIPath
 
+from calm_core.domains import DOMAIN_NAME, DomainError, checked_name
+from calm_core.domains import served_domain as domain_rule
 from gateway.errors import APIError
 from gateway.keys import ClientKey
-from gateway.monitoring import OTHER
 from gateway.policies import DEFAULT_DOMAIN
-from gateway.protocol.common import DOMAIN_NAME, ErrorResponse
+from gateway.protocol.common import ErrorResponse
 from gateway.state import GatewayState
 
 DOMAIN_PATTERN = DOMAIN_NAME
-_DOMAIN_NAME = re.compile(DOMAIN_PATTERN)
 # A domain in a path: the rule is in the OpenAPI schema, so a schema-valid name is never refused.
 DomainPath = Annotated[str, FastAPIPath(pattern=DOMAIN_PATTERN, description="lower-case letters, digits, '_' or '-'")]
 
@@ -53,19 +52,23 @@ async def client(request: Request, authorization: str | None = Header(default=No
 
 
 def checked_domain(domain: str) -> str:
-    if domain != DEFAULT_DOMAIN and not _DOMAIN_NAME.match(domain):
-        raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters", param="domain")
+    if domain != DEFAULT_DOMAIN:
+        try:
+            checked_name(domain)
+        except DomainError:
+            raise APIError(400, "domain must be lower-case letters, digits, '_' or '-', at most 64 characters",
+                           param="domain") from None
     return domain
 
 
 def served_domain(gateway: GatewayState, domain: str, *, default: bool = False, other: bool = True) -> str:
-    """`domain` if requests can name it: the artifact's reference domains, CALM_DOMAINS and `other` (unless refused), or
-    `default` where allowed. Anything else is a 404: requests naming it are served and counted as `other`, so a policy,
-    a key or labels stored for it would never apply."""
+    """`domain` if requests can name it (calm_core/domains.py, the rule the CLI applies too), or `default` where
+    allowed; a 404 otherwise: requests naming it are served and counted as `other`, so a policy, a key or labels stored
+    for it would never apply."""
     checked_domain(domain)
-    if (domain == DEFAULT_DOMAIN and default) or (domain in gateway.monitor.known and (other or domain != OTHER)):
+    if domain == DEFAULT_DOMAIN and default:
         return domain
-    served = sorted(gateway.monitor.known - ({OTHER} if not other else set()))
-    raise APIError(404, f"{domain!r} is not a domain this gateway serves: requests naming it are served and counted as "
-                   f"{OTHER!r}. Served: {', '.join(served)}; name more in CALM_DOMAINS (on every replica)",
-                   "not_found_error", "domain", code="domain_not_found")
+    try:
+        return domain_rule(domain, gateway.monitor.known, other=other)
+    except DomainError as e:
+        raise APIError(404, str(e), "not_found_error", "domain", code="domain_not_found") from None

@@ -13,8 +13,8 @@ from calm_core.artifact import VERSION_NAME
 from calm_core.capture import CaptureSettings
 from calm_core.jobs import FINISHED, OPEN
 from calm_core.registry import GLOBAL, STATUSES, RegistryError
+from calm_core.domains import DOMAIN_OR_GLOBAL, OTHER
 from gateway.errors import APIError
-from gateway.monitoring import OTHER
 from gateway.protocol.loop import AlertmanagerPayload, AlertsAccepted, CaptureSettingsIn, JobCreate, Promotion
 from gateway.retraining import jobs_from_alerts
 from gateway.routers.deps import DOMAIN_PATTERN, admin, documented, served_domain, state
@@ -67,7 +67,7 @@ async def promote(version: Version, body: Promotion, gateway: GatewayState = Dep
 
 
 @router.post("/admin/domains/{domain}/rollback", responses=documented(400, 401, 403, 404, 409))
-async def rollback(domain: Annotated[str, FastAPIPath(pattern=r"^(\*|[a-z0-9][a-z0-9_\-]{0,63})$")],
+async def rollback(domain: Annotated[str, FastAPIPath(pattern=DOMAIN_OR_GLOBAL)],
                    gateway: GatewayState = Depends(state)):
     previous = gateway.deployments.version_for(domain)
     version = await asyncio.to_thread(registry_call, gateway.artifacts.rollback, domain, "admin")
