@@ -4,6 +4,8 @@ one way (gateway -> adapters -> calm_core; training -> calm_core), and project i
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,11 @@ def test_the_domain_rule_has_one_spelling():
         other += [name for node in ast.walk(tree) if isinstance(node, ast.Assign) and ast.unparse(node.value) == "'other'"]
         rule += [name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name == "known_domains"]
     assert (pattern, other, rule) == (["calm_core.domains"],) * 3
+
+
+def test_the_training_config_reads_its_method_names_without_torch():
+    """The config's method names were a Literal beside the registry in the module that imports torch (64): they are the
+    registry's (training/method_specs.py), and a config loads in a process that never imports torch."""
+    code = "import sys, training.config; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

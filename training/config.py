@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from calm_core.toml_config import load_toml_model
 from calm_core.prompts import AnswerFormat
-from training.methods import METHODS
+from training.method_specs import METHOD_NAMES, SPECS
 
-Method = Literal["sft", "label_smoothing", "cft", "regularization", "iterate", "calm", "calm_scalar", "calm_head"]
+Method = Literal[METHOD_NAMES]  # the registry's names (a tuple subscript is the Literal of its items)
 
 
 class TrainConfig(BaseModel):
@@ -68,7 +68,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        spec = METHODS[self.method]
+        spec = SPECS[self.method]
         if spec.head is not None:
             self.head = spec.head
         if self.answer_format == AnswerFormat.GENERATIVE:

@@ -1,4 +1,4 @@
-"""Every training method as one typed registry entry: its step function, whether it trains α, and the head it needs.
+"""Every training method's step (training/method_specs.py registers the names and what each trains).
 
 A step takes the trainer (its model, α, batch streams and optimizer) and returns the step's log record. Steps apply
 every gradient through `trainer.apply`, which averages it across processes under `accelerate launch` and steps the
@@ -8,8 +8,7 @@ optimizer, so θ and α are averaged the same way in every method.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -107,23 +106,8 @@ def step_calm_head(t: "Trainer") -> dict:
     return step_calm(t, hold_theta=True)
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    name: str
-    step: Callable[["Trainer"], dict]
-    trains_alpha: bool
-    head: Literal["vector", "scalar"] | None = None  # the head the method needs; None: the config's `head`
-    free_form: bool = True  # applies to free-form answers (CFT's binned accuracies need options)
-
-
-METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
-    MethodSpec("sft", step_sft, trains_alpha=False),
-    MethodSpec("label_smoothing", step_label_smoothing, trains_alpha=False),
-    MethodSpec("cft", step_cft, trains_alpha=False, free_form=False),
-    MethodSpec("regularization", step_regularization, trains_alpha=True),
-    MethodSpec("iterate", step_iterate, trains_alpha=True),
-    MethodSpec("calm", step_calm, trains_alpha=True),
-    MethodSpec("calm_scalar", step_calm, trains_alpha=True, head="scalar"),
-    # CALM with θ held: the retraining loop's label-free head-only candidate (docs/retraining-loop.md).
-    MethodSpec("calm_head", step_calm_head, trains_alpha=True, head="scalar"),
-)}
+# Each method's step, by the name training/method_specs.py registers it under (its spec says what it trains).
+STEPS: dict[str, Callable[["Trainer"], dict]] = {
+    "sft": step_sft, "label_smoothing": step_label_smoothing, "cft": step_cft, "regularization": step_regularization,
+    "iterate": step_iterate, "calm": step_calm, "calm_scalar": step_calm, "calm_head": step_calm_head,
+}

@@ -39,7 +39,8 @@ from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.config import TrainConfig
 from training.features import Batch, BatchStream, EncodedSet, concat, encode_sets
 from training.generative import answer_nll, gold_target, greedy_targets
-from training.methods import METHODS
+from training.method_specs import SPECS
+from training.methods import STEPS
 from training.objectives import mask_options
 from training.scoring import load_causal_lm, load_tokenizer
 from training.top_layers import enable_checkpointing
@@ -93,7 +94,7 @@ class Trainer:
             self._init_from(Path(cfg.init_from))
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": self.theta, "lr": cfg.lr_theta}]
-        if METHODS[cfg.method].trains_alpha:
+        if SPECS[cfg.method].trains_alpha:
             groups.append({"params": self.alpha.trainable(), "lr": cfg.lr_alpha})
         self.optimizer = torch.optim.Adam(groups)
         rank = self.accelerator.process_index
@@ -182,7 +183,7 @@ class Trainer:
     def train(self) -> None:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        step = METHODS[cfg.method].step
+        step = STEPS[cfg.method]
         main = self.accelerator.is_main_process
         # A run from step 0 starts its log over (--no-resume, or a report's row restarted); a resumed run continues it.
         metrics_log = open(self.out / "train_log.jsonl" if main else os.devnull, "a" if self.step else "w")
