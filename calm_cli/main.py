@@ -257,6 +257,8 @@ def eval_cmd(
     gateway: Annotated[Optional[str], typer.Option(help="evaluate a running gateway at this URL instead")] = None,
     api_key: Annotated[str, typer.Option(envvar="CALM_API_KEY", help="API key for --gateway")] = "unused",
     concurrency: Annotated[int, typer.Option(help="requests in flight with --gateway")] = 8,
+    domain: Annotated[Optional[str], typer.Option(help="with --gateway: ask every question in this domain, so the "
+                                                       "version serving it answers (default: each question's own)")] = None,
     limit: Annotated[int, typer.Option(help="questions per dataset (0 = all)")] = 300,
     seed: int = 0,
     batch_size: int = 8,
@@ -279,6 +281,9 @@ def eval_cmd(
     if any(s.open_ended for s in specs) and (not all(s.open_ended for s in specs) or answer_format):
         raise CalmError("open-ended sets (triviaqa, popqa) are evaluated alone (not with multiple-choice sets), "
                         "without --answer-format")
+    if domain is not None and not gateway:
+        raise CalmError("--domain names the domain questions are asked in through --gateway; offline, --artifact "
+                        "names the version to score")
     if any(s.open_ended for s in specs) and not gateway:
         from training.free_form_eval import run_free_form_eval
 
@@ -293,7 +298,8 @@ def eval_cmd(
 
         summary = run_gateway_eval(GatewayEvalConfig(url=gateway, datasets=specs, api_key=api_key, model=model,
                                                      limit=limit or None, seed=seed, concurrency=concurrency,
-                                                     out_dir=str(out), samples=samples if specs[0].open_ended else 0))
+                                                     out_dir=str(out), samples=samples if specs[0].open_ended else 0,
+                                                     domain=domain))
     else:
         from training.evaluate import EvalConfig, run_eval
 

@@ -17,7 +17,7 @@ from adapters.cpu_limits import usable_cpus
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
-from tests.servers import background, calm_argv, free_port, metric_values, watch_start
+from tests.servers import background, calm_argv, free_port, metric_values, wait_until, watch_start
 
 # memory_gb: the peak PSS of a gateway with three engines, `calm eval` offline beside it: 8.1 GB measured with the
 # tests' 128 MB KV cache per engine (9.8 with the CPU default 512; tests/memory_budget.py).
@@ -36,7 +36,7 @@ def started(tmp_path_factory, embedded_model_dir):
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "OMP_NUM_THREADS": ""}
     with background(calm_argv("serve", "--port", str(port)), log, env) as proc:
         rounds = watch_start(base, proc, log)
-        yield {"base": base, "rounds": rounds, "log": log}
+        yield {"base": base, "rounds": rounds, "log": log, "db": tmp / "gw.sqlite3"}
 
 
 @pytest.fixture(scope="module")
@@ -415,3 +415,49 @@ def test_what_reaches_an_openai_client_behind_litellm(gateway, tmp_path):
     assert headers["llm_provider-x-calm-artifact-version"] == expected.headers["x-calm-artifact-version"]
     assert headers["llm_provider-x-calm-domain"] == "other"
     assert routed.headers["llm_provider-x-calm-domain"] == "science"
+
+
+def test_calm_eval_through_the_gateway_in_a_domain_scores_the_version_serving_that_domain(started, tmp_path,
+                                                                                        shipped_artifact):
+    """`calm eval --gateway --domain D` asks every question in D, so the version serving D answers: the same option
+    probabilities as `calm eval --artifact` of that version. Without --domain each question goes in its own domain
+    (ARC: science), which the shipped version serves. The version for D is the shipped one with its option scores
+    at twice the temperature (its engines are the shipped ones: same weights and head)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from calm_core.artifact import derive_version
+    from tests.hf_reference import option_tolerances
+
+    gateway, admin = started["base"], {"Authorization": "Bearer dev-admin-key"}
+    atol, _ = option_tolerances(gateway)
+    flatter = derive_version(shipped_artifact.path, tmp_path / "flatter", "recalibrated",
+                             option_temperature=shipped_artifact.manifest.option_temperature * 2)
+    env = {**os.environ, "CALM_DB_PATH": str(started["db"])}
+    calm = [sys.executable, "-m", "calm_cli"]
+    added = subprocess.run([*calm, "artifacts", "add", str(tmp_path / "flatter"), "--domain", "commonsense",
+                            "--promote"], env=env, capture_output=True, text=True, timeout=300)
+    assert added.returncode == 0, added.stderr
+    try:
+        wait_until("the gateway to serve the new version for commonsense", lambda: httpx.get(
+            f"{gateway}/health", headers=admin).json()["versions"]["routes"].get("commonsense") ==
+            flatter.artifact_version, 300, 0.5)
+        sets = [*calm, "eval", "-d", "arc_easy:dev", "--limit", "6"]
+        runs = {"offline": ["--artifact", str(tmp_path / "flatter")],
+                "in_domain": ["--gateway", gateway, "--domain", "commonsense"], "own_domain": ["--gateway", gateway]}
+        for name, args in runs.items():
+            out = subprocess.run([*sets, *args, "--out", str(tmp_path / name)], capture_output=True, text=True,
+                                 timeout=600)
+            assert out.returncode == 0, out.stderr
+        probs = {name: np.load(tmp_path / name / "probs_arc_easy_dev.npz")["probs"] for name in runs}
+        np.testing.assert_allclose(probs["in_domain"], probs["offline"], atol=atol)
+        assert np.abs(probs["own_domain"] - probs["offline"]).max() > 20 * atol  # the shipped version answered those
+        report = json.loads((tmp_path / "in_domain" / "report.json").read_text())
+        assert report["artifact"] == flatter.artifact_version
+        assert json.loads((tmp_path / "own_domain" / "report.json").read_text())["artifact"] == \
+            shipped_artifact.manifest.artifact_version
+    finally:  # the domain back on the shipped version for the file's other tests
+        r = httpx.post(f"{gateway}/admin/domains/commonsense/rollback", headers=admin, timeout=60)
+        assert r.status_code == 200, r.text

@@ -45,6 +45,13 @@ class GatewayEvalConfig:
     out_dir: str = "reports/eval-gateway"
     n_boot: int = 200
     samples: int = 0  # open-ended sets: answers sampled per question for semantic confidence (0: token only)
+    # The domain every question is sent in (`metadata.domain`), so the version serving that domain answers; None: each
+    # question's own (its file's `domain` column, the dataset's serving domain: medmcqa -> medicine, ...).
+    domain: str | None = None
+
+
+def question_domain(cfg: GatewayEvalConfig, q: MCQuestion | OpenQuestion) -> str:
+    return cfg.domain or serving_domain(q)
 
 
 def _client(cfg: GatewayEvalConfig):
@@ -55,37 +62,38 @@ def _client(cfg: GatewayEvalConfig):
     return openai.OpenAI(base_url=base, api_key=cfg.api_key, timeout=cfg.timeout_s, max_retries=2)
 
 
-def ask(client, model: str, q: MCQuestion) -> dict:
-    """One question through the gateway: its calibrated option probabilities and the served artifact's version."""
+def ask(client, model: str, q: MCQuestion, domain: str) -> dict:
+    """One question through the gateway in `domain`: its calibrated option probabilities and the version that
+    served it."""
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": q.question}], temperature=0, max_tokens=1,
-        extra_body={"options": list(q.choices), "calm": {"raw_confidence": False}},
+        metadata={"domain": domain}, extra_body={"options": list(q.choices), "calm": {"raw_confidence": False}},
     )
     calibration = (r.choices[0].model_extra or {}).get("calibration")
     if not calibration or calibration.get("mode") != "multiple_choice":
         raise CalmError(f"the gateway did not answer question {q.id!r} as multiple choice (no calibration options)")
-    return {"id": q.id, "probs": [o["probability"] for o in calibration["options"]],
+    return {"id": q.id, "probs": [o["probability"] for o in calibration["options"]], "domain": domain,
             "artifact_version": calibration["artifact_version"]}
 
 
-def ask_open(client, model: str, q: OpenQuestion, samples: int) -> dict:
+def ask_open(client, model: str, q: OpenQuestion, domain: str, samples: int) -> dict:
     """One open-ended question through the gateway: the greedy answer with its token confidence (and the calibrated
     token log-probs, for the sequence probability); with `samples`, the semantic confidence of the same question."""
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": q.question}], temperature=0, max_tokens=MAX_TOKENS,
-        logprobs=True, extra_body={"calm": {"confidence": "token", "raw_confidence": False}})
+        logprobs=True, metadata={"domain": domain}, extra_body={"calm": {"confidence": "token", "raw_confidence": False}})
     choice = r.choices[0]
     calibration = (choice.model_extra or {}).get("calibration") or {}
     if calibration.get("mode") != "free_form":
         raise CalmError(f"the gateway did not answer question {q.id!r} in free form")
     log_probs = [t.logprob for t in (choice.logprobs.content or [])] if choice.logprobs else []
-    row = {"id": q.id, "text": choice.message.content, "token_confidence": calibration["confidence"],
+    row = {"id": q.id, "domain": domain, "text": choice.message.content, "token_confidence": calibration["confidence"],
            "sequence_probability": math.exp(sum(log_probs)), "n_tokens": r.usage.completion_tokens,
            "artifact_version": calibration["artifact_version"]}
     if samples:
         s = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": q.question}], temperature=0, max_tokens=MAX_TOKENS,
-            extra_body={"calm": {"confidence": "semantic", "samples": samples, "raw_confidence": True}})
+            metadata={"domain": domain}, extra_body={"calm": {"confidence": "semantic", "samples": samples, "raw_confidence": True}})
         sem = s.choices[0].model_extra["calibration"]
         row.update(semantic_text=s.choices[0].message.content, semantic_confidence=sem["confidence"],
                    semantic_agreeing=round((sem["raw_confidence"] or 0.0) * samples),
@@ -168,13 +176,14 @@ def run_gateway_eval(cfg: GatewayEvalConfig, show_progress: bool = True) -> dict
     try:
         model = cfg.model or client.models.list().data[0].id
         first = next(iter(sets.values()))[0]
-        ask_one = (partial(ask_open, client, model, samples=cfg.samples) if open_ended else partial(ask, client, model))
+        asked = partial(ask_open, client, model, samples=cfg.samples) if open_ended else partial(ask, client, model)
+        ask_one = lambda q: asked(q, question_domain(cfg, q))  # noqa: E731
         probe = ask_one(first)
     except openai.APIConnectionError as e:
         raise CalmError(f"cannot reach the gateway at {cfg.url}: {e}") from None
     except openai.APIStatusError as e:
         raise CalmError(f"the gateway at {cfg.url} {_refusal(e)}") from None
-    deployment = f"{model}|{probe['artifact_version']}|samples={cfg.samples if open_ended else 0}"
+    deployment = f"{model}|{probe['artifact_version']}|samples={cfg.samples if open_ended else 0}|domain={cfg.domain}"
     # Open-ended: the report writes its records to answers_<set>.jsonl; the gateway's rows are kept beside them.
     try:
         answers = _answer_all(cfg, sets, ask_one, deployment, "gateway_answers" if open_ended else "answers",
@@ -185,17 +194,22 @@ def run_gateway_eval(cfg: GatewayEvalConfig, show_progress: bool = True) -> dict
             f"from them. A 503 that says the engine timed out means its queue outgrew the gateway's "
             f"CALM_UPSTREAM_TIMEOUT_S: ask fewer at a time (--concurrency, {cfg.concurrency} now)") from None
     scored_by = f"through the gateway at {cfg.url}"
+    # The versions that answered, per domain asked in (a domain with a version of its own is served by it).
+    versions = sorted({(row["domain"], row["artifact_version"]) for rows in answers.values() for row in rows.values()
+                       if "domain" in row})
+    artifact = (versions[0][1] if len({v for _, v in versions}) == 1 else ", ".join(f"{v} ({d})" for d, v in versions)
+                ) if versions else probe["artifact_version"]
     if open_ended:
         per_set = {label: [open_record(q, answers[label][q.id]) for q in qs] for label, qs in sets.items()}
         return write_free_form_report(Path(cfg.out_dir), per_set, {
-            "model": model, "artifact": probe["artifact_version"], "answer_format": "generative",
+            "model": model, "artifact": artifact, "answer_format": "generative",
             "samples": cfg.samples, "limit": cfg.limit, "seed": cfg.seed, "scored_by": scored_by})
     probs = {}
     for label, questions in sets.items():
         width = max(q.n_options for q in questions)
         rows = answers[label]
         probs[label] = np.array([rows[q.id]["probs"] + [0.0] * (width - len(rows[q.id]["probs"])) for q in questions])
-    source = {"model": model, "model_weights_sha256": None, "artifact": probe["artifact_version"],
+    source = {"model": model, "model_weights_sha256": None, "artifact": artifact,
               "answer_format": "the gateway's", "scored_by": scored_by}
     config = {**asdict(cfg), "datasets": [s.label for s in cfg.datasets], "api_key": None}
     return write_report(Path(cfg.out_dir), source, config, sets, probs, cfg.n_boot, cfg.seed)
