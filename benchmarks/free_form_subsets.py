@@ -5,6 +5,7 @@ confidence, ECE-10 and AUROC, and the drift PSI of the first 100 answers against
 the `trivia` and `entity_knowledge` domains (what the gateway's drift gauge would read).
 
     python benchmarks/free_form_subsets.py          # -> benchmarks/results/free_form_subsets.md
+    python benchmarks/free_form_subsets.py --by-relation   # and each PopQA relation (prop) on its own
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main() -> None:
     by_popularity = sorted(questions, key=lambda q: (q.extra["s_pop"], q.id))
     sets = {"least popular subjects": by_popularity[:200],
             "credits, least popular": [q for q in by_popularity if q.extra["prop"] in CREDITS][:200]}
+    if "--by-relation" in sys.argv:  # each relation's questions (at most 120, in a fixed order): where it is right
+        for prop in sorted({q.extra["prop"] for q in questions}):
+            sets[f"relation `{prop}`"] = sorted((q for q in questions if q.extra["prop"] == prop), key=lambda q: q.id)[:120]
     records = evaluate_sets(artifact_engine, resolve_model(None).path, shipped / "free_form", sets, samples=0)
     references = load_artifact(shipped).manifest.reference_histograms
     lines = ["| PopQA subset | n | accuracy | mean confidence | ECE-10 | AUROC | PSI vs `trivia` | PSI vs `entity_knowledge` |",
