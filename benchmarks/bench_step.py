@@ -33,7 +33,7 @@ def worker(method: str, inner_steps: int, steps: int, warmup: int) -> dict:
     import torch
 
     from training.config import load_config
-    from training.methods import METHODS
+    from training.methods import STEPS
     from training.trainer import Trainer
 
     torch.set_num_threads(2)
@@ -41,10 +41,8 @@ def worker(method: str, inner_steps: int, steps: int, warmup: int) -> dict:
                       split=str(ROOT / "configs/splits/smoke.toml"), out_dir="/tmp/calm-bench-step",
                       steps=10_000, eval_every=10_000, checkpoint_every=10_000)
     trainer = Trainer(cfg, show_progress=False).setup()
-    spec = METHODS[method]
-
     def step():
-        return spec.step(trainer)
+        return STEPS[method](trainer)
 
     for _ in range(warmup):
         step()

@@ -43,9 +43,9 @@ def test_answer_nll_is_the_full_model_cross_entropy_of_the_gold_answer(embedded_
 
 
 def test_every_free_form_method_trains_on_gold_answers_and_greedy_calibration_positions(tmp_path, embedded_model_dir):
-    from training.methods import METHODS
+    from training.method_specs import SPECS
 
-    applies = [name for name, spec in METHODS.items() if spec.free_form]
+    applies = [name for name, spec in SPECS.items() if spec.free_form]
     assert "cft" not in applies and {"sft", "calm", "calm_scalar", "iterate", "regularization"} <= set(applies)
     for name in applies:
         cfg = load_config(SMOKE, method=name, out_dir=str(tmp_path / name), steps=2, eval_every=2, checkpoint_every=2)
@@ -55,8 +55,8 @@ def test_every_free_form_method_trains_on_gold_answers_and_greedy_calibration_po
         alpha = [p.detach().clone() for p in trainer.alpha.parameters()]
         trainer.train()
         assert all(np.isfinite(h["g"]) for h in trainer.history) and "val_gold_nll" in trainer.history[-1]
-        assert any(not torch.equal(a, p) for a, p in zip(theta, trainer.theta)), name
-        assert any(not torch.equal(a, p) for a, p in zip(alpha, trainer.alpha.parameters())) == METHODS[name].trains_alpha
+        assert any(not torch.equal(a, p) for a, p in zip(theta, trainer.theta)) == SPECS[name].trains_theta, name
+        assert any(not torch.equal(a, p) for a, p in zip(alpha, trainer.alpha.parameters())) == SPECS[name].trains_alpha
     # The calibration set's targets are the initial model's own greedy answers (unlabelled), not gold answers.
     calib = trainer.calib_set
     gold = [tuple(trainer.tokenizer(q.answer, add_special_tokens=False)["input_ids"]) for q in calib.questions]
