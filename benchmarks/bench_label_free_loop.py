@@ -299,6 +299,9 @@ def plot(out: dict) -> None:
             p, c = row["parent"]["held_out"][key], row["candidate"]["held_out"][key]
             ax.annotate("", xy=(c, y), xytext=(p, y), arrowprops={"arrowstyle": "->", "color": "tab:blue"})
             ax.plot([p], [y], "o", color="grey", markersize=4)
+        values = [r[side]["held_out"][key] for r in rows for side in ("parent", "candidate")]
+        margin = 0.05 * (max(values) - min(values))
+        ax.set_xlim(min(values) - margin, max(values) + margin)  # arrows do not widen the axes themselves
         ax.set_title(f"held-out {title}, parent (dot) → candidate", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(rows)), [f"{r['domain']} / {r['way']}" for r in rows], fontsize=8)
