@@ -34,7 +34,6 @@ from pathlib import Path
 
 import numpy as np
 from scipy.optimize import brentq
-from scipy.stats import spearmanr
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,6 +42,7 @@ from calm_core.artifact import load_artifact  # noqa: E402
 from calm_core.capture import Capture, CaptureSettings  # noqa: E402
 from calm_core.data import MCQuestion, load_mc  # noqa: E402
 from calm_core.db import Database  # noqa: E402
+from calm_core.label_free import choice_movement  # noqa: E402
 from calm_core.jobs import JobQueue  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402
 from calm_core.paths import BUNDLED_DIR  # noqa: E402
@@ -145,11 +145,9 @@ def parent_probabilities(domain: str, model_path: str, *sets: list[MCQuestion]) 
 
 
 def agreement(parent: np.ndarray, candidate: np.ndarray) -> dict:
-    """Label-free: the share of captured prompts whose chosen option stays the parent's, and the rank correlation of
-    the confidences."""
-    same = float((parent.argmax(1) == candidate.argmax(1)).mean())
-    rho = float(spearmanr(parent.max(1), candidate.max(1)).statistic)
-    return {"choice_agreement": same, "confidence_spearman": rho}
+    """The gate's label-free numbers on the captured prompts (calm_core/label_free.py), under this table's keys."""
+    moved = choice_movement(parent, candidate)
+    return {"choice_agreement": moved.choice_agreement, "confidence_spearman": moved.confidence_correlation}
 
 
 def train_with_worker(way: str, domain: str, captured: list[MCQuestion], held_out_file: Path, work: Path) -> tuple[Path, dict]:

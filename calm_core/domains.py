@@ -18,11 +18,7 @@ _NAME = re.compile(DOMAIN_NAME)
 
 
 class DomainError(CalmError):
-    """A domain refused: `invalid` (not a domain name) or `not_served` (requests naming it would be counted as other)."""
-
-    def __init__(self, message: str, kind: str):
-        super().__init__(message)
-        self.kind = kind
+    """A domain refused: not a domain name, or one no request can reach (requests naming it are counted as other)."""
 
 
 def known_domains(references: Iterable[str], configured: Iterable[str]) -> set[str]:
@@ -33,8 +29,7 @@ def known_domains(references: Iterable[str], configured: Iterable[str]) -> set[s
 
 def checked_name(domain: str) -> str:
     if not _NAME.match(domain):
-        raise DomainError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)",
-                          "invalid")
+        raise DomainError(f"domain {domain!r}: a domain is lower-case letters, digits, '_' or '-' (at most 64)")
     return domain
 
 
@@ -45,5 +40,5 @@ def served_domain(domain: str, served: set[str], *, other: bool = True) -> str:
     if domain not in reachable:
         raise DomainError(f"{domain!r} is not a domain this gateway serves: requests naming it are served and counted "
                           f"as {OTHER!r}. Served: {', '.join(sorted(reachable))}; name more in CALM_DOMAINS (on every "
-                          "replica)", "not_served")
+                          "replica)")
     return domain

@@ -292,11 +292,9 @@ class Worker:
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
         # One load of the candidate's weights for everything it is scored on, one of the active version's.
         cand_calib, cand_tests, cand_labels = served_probabilities(exported, model_path, calibration, tests, judged)
-        active_calib, active_tests, active_labels = (
-            served_probabilities(parent_artifact.path, model_path, calibration, tests, judged)
-            if parent_artifact else (None, None, None))
-        result = judged_result(calibration, tests, judged, len(labelled), (cand_calib, cand_tests, cand_labels),
-                               (active_calib, active_tests, active_labels) if parent_artifact else None)
+        active = (tuple(served_probabilities(parent_artifact.path, model_path, calibration, tests, judged))
+                  if parent_artifact else None)
+        result = judged_result(calibration, tests, judged, len(labelled), (cand_calib, cand_tests, cand_labels), active)
         return exported, result, cand_calib.max(axis=1)
 
     @staticmethod

@@ -17,7 +17,7 @@ the new mode's too. A labelled token temperature is not kept: it was fitted to t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ from calm_core.capture import CapturedPrompt
 from calm_core.data import load_open_file
 from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
-from calm_core.label_free import confidence_correlation
+from calm_core.label_free import ChoiceMovement, confidence_correlation
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
 from training.config import TrainConfig, load_config
@@ -61,12 +61,12 @@ def metrics_of(records: list[FreeFormRecord]) -> dict:
                                                                       "auroc", "brier")}
 
 
-def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord]) -> dict:
+def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord]) -> ChoiceMovement:
     """Label-free, on the captured prompts: the share whose greedy answer stays the active mode's, and the rank
     correlation of the two modes' token confidences."""
     same = float(np.mean([a.text.strip() == c.text.strip() for a, c in zip(active, candidate)])) if active else 1.0
-    rho = confidence_correlation([r.token_confidence for r in active], [r.token_confidence for r in candidate])
-    return {"choice_agreement": same, "confidence_correlation": rho}
+    return ChoiceMovement(same, confidence_correlation([r.token_confidence for r in active],
+                                                       [r.token_confidence for r in candidate]))
 
 
 def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], domain: str, work: Path) -> Path:
@@ -117,7 +117,7 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
               "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels),
               "candidate_auroc": in_domain["candidate"]["auroc"],
               "active_auroc": in_domain["active"]["auroc"] if active else None}
-    movement = answer_movement(active["captured"], cand["captured"]) if active else {}
+    movement = asdict(answer_movement(active["captured"], cand["captured"])) if active else {}
     inputs.update(movement)
     on_labels = {}
     if judged:
