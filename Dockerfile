@@ -14,7 +14,7 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # --- CPU: exactly what `make serve` does, in /app ----------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS cpu
-# libtcmalloc-minimal4: the allocator `calm engine` and the fleet's CPU engines preload (adapters/allocator.py)
+# libtcmalloc-minimal4: the allocator `calm engine` and the fleet's CPU engines preload (adapters/hosting/allocator.py)
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends make libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/* \

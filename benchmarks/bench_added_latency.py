@@ -24,7 +24,7 @@ Variants, each one change from the one named in brackets:
   +token-ids-out       return_tokens_as_token_ids, what the gateway parses (completions-ids)
   +alpha-head          the α head named per request (vllm_xargs) (+token-ids-out)
   text-prompt          the prompt as the chat template's text, for vLLM to tokenize: exactly the gateway's payload for
-                       a question answered whole (adapters/upstream.py `_payload`) (+alpha-head)
+                       a question answered whole (adapters/clients/upstream.py `_payload`) (+alpha-head)
   gateway              the same question through `calm serve` in upstream mode (text-prompt)
   +stream              the gateway's payload streamed (SSE, usage chunk), as it asks for a streamed free-form answer,
                        and as it asked for every answer before 2026-12-04 (text-prompt)
@@ -48,7 +48,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapters.upstream import _payload  # noqa: E402
+from adapters.clients.upstream import _payload  # noqa: E402
 from tests.memory_budget import start_and_cpu_s  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_open  # noqa: E402

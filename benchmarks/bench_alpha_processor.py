@@ -32,7 +32,7 @@ BATCHES = (1, 8, 32)
 def processor(folder: Path):
     from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: F401  (vLLM's types, imported before ours)
 
-    from adapters.vllm_alpha import AlphaHeadLogitsProcessor
+    from adapters.vllm_plugins.alpha import AlphaHeadLogitsProcessor
     from calm_core.alpha_head import AlphaHead
     from calm_core.artifact import BaseModelRef, TokenizerRef, save_artifact
 

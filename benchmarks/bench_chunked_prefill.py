@@ -2,7 +2,7 @@
 
     python benchmarks/bench_chunked_prefill.py --out benchmarks/results [--rounds 3]
 
-The CPU engines run without chunked prefill (adapters/engine_settings.py, CPU_CHUNKED_PREFILL: a seeded request
+The CPU engines run without chunked prefill (adapters/hosting/engine_settings.py, CPU_CHUNKED_PREFILL: a seeded request
 prefilled in chunks kills a CPU engine). Two vLLM engines of the embedded model with the CPU settings the gateway
 uses, one with vLLM's chunked prefill and one without, get the same work, all submitted at once (the most prompt per
 step a gateway can hand them), rounds interleaved:
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.engine_settings import EngineOverrides, resolve  # noqa: E402
+from adapters.hosting.engine_settings import EngineOverrides, resolve  # noqa: E402
 from benchmarks.bench_long_mc import long_questions  # noqa: E402
 from calm_core.data import load_open  # noqa: E402
 from calm_core.models import resolve_model  # noqa: E402

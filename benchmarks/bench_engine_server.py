@@ -33,7 +33,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapters.allocator import tcmalloc_library  # noqa: E402
+from adapters.hosting.allocator import tcmalloc_library  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
 from tests.memory_budget import stat_fields  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402

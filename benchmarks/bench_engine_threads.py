@@ -1,6 +1,6 @@
 """OpenMP threads of in-process engines, side by side: the shipped gateway (`calm serve`, its three CPU engines) with
 - the cores shared step by step (the default: each engine re-sizes its team before every step to its share among the
-  engines computing at that moment, adapters/core_share.py);
+  engines computing at that moment, adapters/hosting/core_share.py);
 - the cores split among its engines, fixed (CALM_ENGINE_THREADS = cores // 3: the default before core sharing);
 - every engine a fixed team as wide as the machine (CALM_ENGINE_THREADS = the cores), waiting passively at barriers
   (what the gateway sets for fixed teams that outnumber the cores: `engine_wait_policy`);
@@ -34,7 +34,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from adapters.cpu_limits import usable_cpus  # noqa: E402
+from adapters.hosting.cpu_limits import usable_cpus  # noqa: E402
 from benchmarks.bench_stock_engine import timed  # noqa: E402
 from calm_core.data import load_mc, load_open  # noqa: E402
 from tests.servers import calm_argv, free_port, running  # noqa: E402

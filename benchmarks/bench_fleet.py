@@ -28,7 +28,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
+from adapters.clients.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
 from benchmarks.bench_engine_server import engine_usage  # noqa: E402  (a process tree's CPU, from /proc)
 from benchmarks.bench_gateway import (  # noqa: E402
     CONCURRENCY, FREE_TOKENS, load, make_sender, ratio_rows, workloads,

@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
+from adapters.clients.upstream import _payload  # noqa: E402  (the exact body the gateway sends upstream)
 from calm_core.engine import EngineRequest  # noqa: E402
 from calm_cli.serving import engine_server_command  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402

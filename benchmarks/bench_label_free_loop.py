@@ -48,9 +48,9 @@ from calm_core.models import resolve_model  # noqa: E402
 from calm_core.paths import BUNDLED_DIR  # noqa: E402
 from calm_core.recalibration import tempered  # noqa: E402
 from calm_core.registry import Registry  # noqa: E402
-from training.retrain import Worker, metrics_of, served_probabilities  # noqa: E402
-from training.retrain_data import write_questions  # noqa: E402
-from training.retrain_gate import LoopConfig  # noqa: E402
+from training.retrain.worker import Worker, metrics_of, served_probabilities  # noqa: E402
+from training.retrain.data import write_questions  # noqa: E402
+from training.retrain.gate import LoopConfig  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"

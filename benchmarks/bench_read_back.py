@@ -36,7 +36,7 @@ SAMPLINGS = {"greedy": {}, "sampled at 0.8": {"temperature": 0.8}}
 
 
 async def run(questions: list[str], max_tokens: int) -> dict:
-    from adapters.inprocess import InProcessVLLMEngine
+    from adapters.clients.inprocess import InProcessVLLMEngine
     from calm_cli.serving import default_artifact, engine_config, load_checked
     from calm_core.models import resolve_model
     from gateway.settings import GatewaySettings

@@ -1,4 +1,4 @@
-"""CPU of one group commit of answer records (gateway/store.py `Store.record_responses`) on SQLite, alone in one
+"""CPU of one group commit of answer records (gateway/records/store.py `Store.record_responses`) on SQLite, alone in one
 process, by batch size: what the gateway's writer thread spends per commit and per answer, beside the same rows
 written with the bare sqlite3 module (the floor).
 
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from calm_core.served_answers import ServedAnswer  # noqa: E402
-from gateway.store import Store  # noqa: E402
+from gateway.records.store import Store  # noqa: E402
 
 SERVED = ServedAnswer("v1", "free_form", 0.5, "token")
 

@@ -57,7 +57,7 @@ async def one(app) -> None:
 
 
 def cache_upstream_answer() -> None:
-    from adapters.upstream import UpstreamVLLMEngine
+    from adapters.clients.upstream import UpstreamVLLMEngine
     real, cached = UpstreamVLLMEngine.generate_whole, []
 
     async def generate_whole(self, request):
@@ -79,7 +79,7 @@ async def built_gateway(upstream: str, work: Path):
     os.environ.update(upstream_gateway_env(upstream, work, "cpu", identity))
     from calm_cli.common import gateway_settings
     from calm_cli.serving import build_gateway
-    from gateway.starting import StartingApp
+    from gateway.edge.starting import StartingApp
 
     settings = gateway_settings()
     starting = StartingApp(lambda: build_gateway(settings))

@@ -57,9 +57,9 @@ def instrument() -> list[tuple[str, int]]:
     import aiohttp
 
     import gateway.fast_lane as fast_lane
-    from adapters.upstream import UpstreamVLLMEngine
-    from gateway.pipeline import CalibratedService
-    from gateway.store import Store
+    from adapters.clients.upstream import UpstreamVLLMEngine
+    from gateway.serving.service import CalibratedService
+    from gateway.records.store import Store
 
     wrapped = [(fast_lane, "answer", "route: prepare, answer, response object", 1),
                (CalibratedService, "answer", "service.answer", 2),
@@ -77,9 +77,9 @@ def instrument() -> list[tuple[str, int]]:
 async def measure(upstream: str, work: Path, requests: int, without_record: bool) -> dict:
     import aiohttp
 
-    from adapters.upstream import _payload
+    from adapters.clients.upstream import _payload
     from calm_core.engine import EngineRequest
-    from gateway.pipeline import CalibratedService
+    from gateway.serving.service import CalibratedService
 
     if without_record:
         async def record(self, served, ctx) -> None:

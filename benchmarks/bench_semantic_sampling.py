@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters.inprocess import artifact_engine  # noqa: E402
+from adapters.clients.inprocess import artifact_engine  # noqa: E402
 from calm_cli.serving import DEFAULT_ARTIFACTS  # noqa: E402
 from calm_core.answers import agreement, is_correct  # noqa: E402
 from calm_core.artifact import load_artifact  # noqa: E402

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from calm_core.served_answers import ServedAnswer  # noqa: E402
-from gateway.store import Store  # noqa: E402
+from gateway.records.store import Store  # noqa: E402
 
 SERVED = ServedAnswer("v1", "free_form", 0.5, "token")
 

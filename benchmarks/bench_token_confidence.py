@@ -30,8 +30,8 @@ from calm_core.scoring import sequence_confidence  # noqa: E402
 async def run(questions: list[str], max_tokens: int) -> dict[str, list[float]]:
     from vllm import SamplingParams
 
-    from adapters.inprocess import InProcessVLLMEngine
-    from adapters.vllm_common import OPT_OUT_KEY
+    from adapters.clients.inprocess import InProcessVLLMEngine
+    from adapters.vllm_plugins.common import OPT_OUT_KEY
     from calm_cli.serving import engine_config, load_checked, default_artifact
     from calm_core.models import resolve_model
     from gateway.settings import GatewaySettings

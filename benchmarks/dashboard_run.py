@@ -7,7 +7,7 @@ through the gateway's API, each waited out by count, not by clock:
    and then (a model the gateway does not serve: a 404);
 2. shifted: trivia posed as 2-way choices arriving in `science` (the drift the alert is for);
 3. in domain again for `medicine` only.
-Then every query of every panel (gateway/dashboard.py, `$domain` = all, `$__rate_interval` = 20 s) is read over the
+Then every query of every panel (gateway/observe/dashboard.py, `$domain` = all, `$__rate_interval` = 20 s) is read over the
 run with Prometheus's range API into dashboard_run.json, and drawn panel by panel into dashboard.png; dashboard.md
 lists the panels and what each showed (docs/deployment.md's copy).
 
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from calm_core.data import load_mc, load_open  # noqa: E402
-from gateway.dashboard import PanelSpec, panels  # noqa: E402
+from gateway.observe.dashboard import PanelSpec, panels  # noqa: E402
 from tests.servers import calm_argv, free_port, running, wait_until  # noqa: E402
 
 SHARED_DATA = REPO.parent / "shared" / "data"

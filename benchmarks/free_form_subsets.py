@@ -21,12 +21,12 @@ CREDITS = ("director", "screenwriter", "producer", "author", "composer")  # test
 
 
 def main() -> None:
-    from adapters.inprocess import artifact_engine
+    from adapters.clients.inprocess import artifact_engine
     from calm_core.artifact import load_artifact
     from calm_core.data import load_open
     from calm_core.models import resolve_model
     from calm_core.paths import BUNDLED_DIR
-    from gateway.drift import histogram_share, psi
+    from gateway.observe.drift import histogram_share, psi
     from training.free_form_eval import evaluate_sets, free_form_metrics
 
     shipped = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"

@@ -105,7 +105,7 @@ def run(users: int, duration: int, out: Path, warmup_s: float) -> dict:
         sampler.join()
         stats = read_stats(work / "locust")
         counts = json.loads((work / "counts.json").read_text())
-        from gateway.store import Store
+        from gateway.records.store import Store
 
         store = Store(db)
         with store.engine.connect() as c:

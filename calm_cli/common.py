@@ -57,7 +57,7 @@ def gateway_settings(**given):
 
 
 def open_store(settings=None):
-    from gateway.store import Store
+    from gateway.records.store import Store
 
     settings = settings or gateway_settings()
     warn_if_new_database(settings)

@@ -37,7 +37,7 @@ def _offline_engines(settings=None):
     gateway's engine settings where set (CALM_KV_CACHE_MB, CALM_ENGINE_START, ...), read through its own settings."""
     from functools import partial
 
-    from adapters.inprocess import artifact_engine
+    from adapters.clients.inprocess import artifact_engine
 
     return partial(artifact_engine, overrides=(settings or gateway_settings()).engine_overrides())
 
@@ -53,7 +53,7 @@ def keys_create(
         "--sequences-per-minute", help="engine sequences per minute over every replica; unlimited if unset")] = None,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
-    from gateway.keys import issue_key
+    from gateway.edge.keys import issue_key
 
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
@@ -103,7 +103,7 @@ def reviews_list(
     import time
     from datetime import datetime, timezone
 
-    from gateway.handoff_store import HandoffStore
+    from gateway.records.handoff_store import HandoffStore
 
     if status not in ("open", "closed", "all"):
         raise CalmError("--status must be open, closed or all")
@@ -363,7 +363,7 @@ def train_cmd(
     """Train CALM (or a baseline) with LoRA on the top layers; write the artifact to out_dir/artifact."""
     import torch
 
-    from adapters.cpu_limits import process_threads
+    from adapters.hosting.cpu_limits import process_threads
     from training.config import load_config
     from training.trainer import Trainer
 
@@ -410,7 +410,7 @@ def report_cmd(
     open-ended: PopQA -> TriviaQA and TriviaQA -> PopQA, free-form answers evaluated as served."""
     import torch
 
-    from adapters.cpu_limits import process_threads
+    from adapters.hosting.cpu_limits import process_threads
     from training.config import load_config
 
     if task not in ("multiple-choice", "open-ended"):
@@ -447,8 +447,8 @@ def serve(
 
     from calm_cli.serving import build_gateway
     from calm_core.startup import StartupLog, stage
-    from gateway.http_server import server_config
-    from gateway.starting import StartingApp
+    from gateway.edge.http_server import server_config
+    from gateway.edge.starting import StartingApp
 
     progress = StartupLog().install()
     given = {"host": host, "port": port, "artifact": str(artifact) if artifact else None}
@@ -457,7 +457,7 @@ def serve(
     typer.echo(f"CALM Gateway on {url}  (model {settings.served_model_name}, engine {settings.engine.value}); "
                "/health/live answers now, /health/ready and /v1/* once the engines have started")
     # The server listens at once; the app (model conversion on a first run, merged weights) and its engines are built
-    # behind it (gateway/starting.py), which answers 503 "starting" meanwhile.
+    # behind it (gateway/edge/starting.py), which answers 503 "starting" meanwhile.
     starting = StartingApp(lambda: build_gateway(settings), doing=lambda: f"{progress.current} ({progress.elapsed():.0f} s)")
     # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
     # closes the engine and the database; every write was awaited before its response, so none is pending.
@@ -506,8 +506,8 @@ def worker(
     import logging
 
     from calm_core.db import Database
-    from training.retrain import Worker
-    from training.retrain_gate import load_loop_config
+    from training.retrain.worker import Worker
+    from training.retrain.gate import load_loop_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     settings = gateway_settings()

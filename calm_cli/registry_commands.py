@@ -146,7 +146,7 @@ def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
         help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
     """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
     from calm_core.jobs import JobQueue
-    from training.retrain_labelled import METHODS
+    from training.retrain.labelled import METHODS
 
     if method is not None and method not in METHODS:
         raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")

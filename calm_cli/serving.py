@@ -41,11 +41,11 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     artifact's LoRA adapter (if any) is served in-process merged into a second engine (adapter_mode "merged", CPU's
     default) or by vLLM's LoRA kernels in the same engine ("lora", CUDA's default), and as a vLLM LoRA by the
     `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
-    folded weights (one-pass option scoring, adapters/merged_weights.py), and an artifact with a free-form mode one
+    folded weights (one-pass option scoring, adapters/hosting/merged_weights.py), and an artifact with a free-form mode one
     more on that mode's merged weights with its own head."""
-    from adapters.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
-    from adapters.merged_weights import foldable, folded_model_dir, merged_model_dir
-    from adapters.vllm_common import EngineConfig
+    from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
+    from adapters.hosting.merged_weights import foldable, folded_model_dir, merged_model_dir
+    from adapters.vllm_plugins.common import EngineConfig
 
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
     adapter = artifact.adapter_dir
@@ -75,7 +75,7 @@ def serving_default(settings, configured: Path) -> Path:
     """The folder of the version the registry serves by default: the configured artifact the first time it is seen,
     else what promotions and rollbacks left active (they survive restarts)."""
     from calm_core.registry import Registry
-    from gateway.store import Store
+    from gateway.records.store import Store
 
     store = Store(settings.database)
     try:
@@ -97,7 +97,7 @@ def build_gateway(settings):
     artifact_path = serving_default(settings, configured)
     tokenizer, artifact = load_checked(model, artifact_path)
     if settings.engine is EngineKind.INPROCESS:
-        from adapters.inprocess import InProcessVLLMEngine
+        from adapters.clients.inprocess import InProcessVLLMEngine
 
         engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, inprocess=True))
 
@@ -135,7 +135,7 @@ def build_gateway(settings):
 
 def upstream_engine(settings, artifact):
     """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request."""
-    from adapters.upstream import UpstreamVLLMEngine
+    from adapters.clients.upstream import UpstreamVLLMEngine
 
     free_form = artifact.free_form if artifact.manifest.free_form_version is not None else None
     return UpstreamVLLMEngine(
@@ -151,8 +151,8 @@ def engine_server_command(settings, host: str, port: int) -> tuple[list[str], di
     which memory allocator it runs on."""
     import sys
 
-    from adapters.allocator import tcmalloc_library, with_allocator
-    from adapters.vllm_common import REGISTRY_ENV, RUNTIME_LORA_ENV
+    from adapters.hosting.allocator import tcmalloc_library, with_allocator
+    from adapters.vllm_plugins.common import REGISTRY_ENV, RUNTIME_LORA_ENV
 
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)

@@ -159,7 +159,7 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     # WAL: readers never wait for the writer; autocommit at the driver so BEGIN IMMEDIATE below is ours to issue.
     # FULL: each commit fsyncs the WAL before it returns, so what was acknowledged (an answer's record, a verdict, a
     # policy, a revoked key) survives a power loss; NORMAL could lose the last commits. The group commit
-    # (gateway/group_commit.py) shares one fsync among the requests of a burst.
+    # (gateway/records/group_commit.py) shares one fsync among the requests of a burst.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")

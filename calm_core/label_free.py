@@ -1,6 +1,6 @@
 """How far a candidate version moved from the serving one on the same unlabelled prompts (pure functions): the share
 of prompts whose chosen option stays the same, and the rank correlation of the two versions' confidences. The
-retraining gate reads both on a domain's captured traffic (training/retrain_gate.py): a label-free job may change how
+retraining gate reads both on a domain's captured traffic (training/retrain/gate.py): a label-free job may change how
 confident the version is, and these say whether it also changed what it answers and which answers it trusts most,
 which is where a lower ECE bought with discrimination shows before any label does.
 """

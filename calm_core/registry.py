@@ -33,7 +33,7 @@ from calm_core.registry_mirror import RegistryMirror
 
 GLOBAL = "*"
 # In the registry folder: the versions the gateways serve now, for engines that restart to load before taking traffic
-# (adapters/vllm_warm.py); the database stays the truth, this is its copy where engines can read it.
+# (adapters/vllm_plugins/warm.py); the database stays the truth, this is its copy where engines can read it.
 SERVED_FILE = "serving.json"
 STATUSES = ("candidate", "active", "rejected", "retired")
 TRIGGERS = ("alert", "operator", "schedule", "import")

@@ -1,5 +1,5 @@
 """What each served answer's confidence was made of, and its verdict once feedback judges it: the labels a domain's
-traffic gives for recalibration (training/retrain_labelled.py), beside the questions operators upload.
+traffic gives for recalibration (training/retrain/labelled.py), beside the questions operators upload.
 
 A row per answer the gateway records (its response key): the domain and the version that served it; for multiple
 choice the options' log-probabilities as served and the option chosen, for a free-form answer its token confidence as

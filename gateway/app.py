@@ -2,7 +2,7 @@
 
 `create_app` builds the gateway's state (gateway/state.py), the default version's service, the lifespan that starts
 and always stops the engines, and wires the routers (gateway/routers/); the request path itself is
-gateway/pipeline.py.
+gateway/serving/service.py.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from calm_core.capture import Capture
 from calm_core.engine import EngineClient, EngineRejected, EngineUnavailable
 from calm_core.jobs import JobQueue
 from calm_core.registry import Registry
-from gateway.deployments import Deployment, Deployments, VersionLoader
+from gateway.serving.deployments import Deployment, Deployments, VersionLoader
 from gateway.errors import install_error_handlers
 from gateway.fast_lane import FastLane
-from gateway.keys import KeyRing
-from gateway.limits import BodySizeLimit, InFlight
-from gateway.monitoring import DomainMonitor, Metrics
-from gateway.openapi import contract
-from gateway.pipeline import CalibratedService, SharedParts
-from gateway.prepare import ServedArtifact
-from gateway.retraining import CaptureBook
+from gateway.edge.keys import KeyRing
+from gateway.edge.limits import BodySizeLimit, InFlight
+from gateway.observe.monitoring import DomainMonitor, Metrics
+from gateway.edge.openapi import contract
+from gateway.serving.service import CalibratedService, SharedParts
+from gateway.serving.prepare import ServedArtifact
+from gateway.serving.retraining import CaptureBook
 from gateway.routers import admin, feedback, health, loop, openai
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
-from gateway.store import Store
-from gateway.usage import EngineWork
+from gateway.records.store import Store
+from gateway.edge.usage import EngineWork
 
 log = logging.getLogger("calm.gateway")
 

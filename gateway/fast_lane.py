@@ -29,8 +29,8 @@ import asyncio
 from pydantic import ValidationError
 
 from gateway.errors import APIError, classified_response, count_refusal, json_content_type
-from gateway.peer import HOP_HEADER, is_peer_hop
-from gateway.limits import read_up_to, replay
+from gateway.edge.peer import HOP_HEADER, is_peer_hop
+from gateway.edge.limits import read_up_to, replay
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.openai import answer

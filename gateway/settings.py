@@ -11,10 +11,10 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from adapters.cpu_limits import omp_threads_set
-from adapters.engine_settings import EngineOverrides
+from adapters.hosting.cpu_limits import omp_threads_set
+from adapters.hosting.engine_settings import EngineOverrides
 from calm_core.paths import calm_home
-from gateway.targets import TARGET_NAME, Target
+from gateway.policy.targets import TARGET_NAME, Target
 
 DEV_ADMIN_KEY = "dev-admin-key"
 
@@ -41,7 +41,7 @@ class GatewaySettings(BaseSettings):
     upstream_timeout_s: float = 30.0
     upstream_connect_timeout_s: float = 2.0
     max_model_len: int = 2048
-    # Engine settings: unset ones come from the device (adapters/engine_settings.py; /health shows what is in force).
+    # Engine settings: unset ones come from the device (adapters/hosting/engine_settings.py; /health shows what is in force).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: str | None = None  # CPU float32, CUDA bfloat16
     enforce_eager: bool | None = None  # CPU true, CUDA false (CUDA graphs)
@@ -53,18 +53,18 @@ class GatewaySettings(BaseSettings):
     executor: Literal["uni", "mp"] | None = None  # CPU "uni" (the model in the engine-core process), CUDA vLLM's
     engine_start: Literal["forkserver", "spawn"] | None = None  # CPU "forkserver" (engine cores forked), CUDA "spawn"
     # OpenMP threads per in-process CPU engine, fixed; unset: OMP_NUM_THREADS if the environment sets it, else each
-    # engine's share of the usable cores among the engines computing, re-sized every step (adapters/core_share.py).
+    # engine's share of the usable cores among the engines computing, re-sized every step (adapters/hosting/core_share.py).
     engine_threads: int | None = Field(default=None, gt=0)
-    # `calm engine` on CPU: tcmalloc preloaded when installed (adapters/allocator.py), or the system's allocator
+    # `calm engine` on CPU: tcmalloc preloaded when installed (adapters/hosting/allocator.py), or the system's allocator
     engine_allocator: Literal["tcmalloc", "system"] = "tcmalloc"
     admin_key: str = DEV_ADMIN_KEY
     # Shared by the gateways of one operator that escalate to each other (protocol "calm"): a request proves it was
-    # escalated by one of them with an HMAC under it (gateway/peer.py); unset, no request skips this gateway's hand-off.
+    # escalated by one of them with an HMAC under it (gateway/edge/peer.py); unset, no request skips this gateway's hand-off.
     peer_secret: SecretStr | None = None
     # The key the fleet's vLLM servers require (their --api-key or VLLM_API_KEY): vLLM's servers otherwise answer anyone
     # who reaches them, run-time adapter loading included. Sent as a bearer token on every request to them.
     upstream_api_key: SecretStr | None = None
-    # The servers policies may call (gateway/targets.py): name -> {url, api_key_env | api_key_file, protocol, private},
+    # The servers policies may call (gateway/policy/targets.py): name -> {url, api_key_env | api_key_file, protocol, private},
     # as JSON; an escalate policy's `target` and a review policy's `webhook` name one of them.
     targets: dict[str, Target] = {}
     # Client API keys for /v1/* (`calm keys`, /admin/keys): required in production unless set otherwise; in
@@ -96,7 +96,7 @@ class GatewaySettings(BaseSettings):
     # read-back of free-form answers multiply it): beyond, 400. Unset: 16 x (max_tokens_limit + 1), room for 8 answers
     # of the longest allowed length read back (<= 2 sequences a token); a batch of prompts shares it.
     max_engine_sequences: int | None = Field(default=None, gt=0)
-    # How often a replica adds its keys' engine work to the shared tally and reads the others' (gateway/usage.py).
+    # How often a replica adds its keys' engine work to the shared tally and reads the others' (gateway/edge/usage.py).
     usage_sync_s: float = Field(default=1.0, gt=0)
     stream_write_timeout_s: float = Field(default=30.0, gt=0)  # a stream whose client reads nothing this long: closed
     drain_s: float = Field(default=30.0, ge=0)  # on shutdown, time given to requests in flight to finish
@@ -105,7 +105,7 @@ class GatewaySettings(BaseSettings):
     # at that moment, which then fails without an answer (uvicorn's 5 s default did so in the load test).
     keep_alive_s: int = Field(default=75, gt=0)
     # A connection whose request headers are not complete this long after it opened (or after the request's first
-    # byte) is closed: uvicorn has no header-read timeout of its own (gateway/http_server.py).
+    # byte) is closed: uvicorn has no header-read timeout of its own (gateway/edge/http_server.py).
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0)  # and its body this long after its headers, else closed
     default_top_logprobs: int = 5
@@ -179,5 +179,5 @@ class GatewaySettings(BaseSettings):
 
 
 def peer_secret(settings: GatewaySettings) -> str | None:
-    """The fleet's peer secret as text (gateway/peer.py), None where the operator set none."""
+    """The fleet's peer secret as text (gateway/edge/peer.py), None where the operator set none."""
     return settings.peer_secret.get_secret_value() if settings.peer_secret is not None else None

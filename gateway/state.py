@@ -9,15 +9,15 @@ from prometheus_client import CollectorRegistry
 from calm_core.capture import Capture
 from calm_core.jobs import JobQueue
 from calm_core.registry import Registry
-from gateway.deployments import Deployments
-from gateway.keys import KeyRing
-from gateway.limits import InFlight
-from gateway.monitoring import DomainMonitor, Metrics
-from gateway.pipeline import SharedParts
-from gateway.retraining import CaptureBook
+from gateway.serving.deployments import Deployments
+from gateway.edge.keys import KeyRing
+from gateway.edge.limits import InFlight
+from gateway.observe.monitoring import DomainMonitor, Metrics
+from gateway.serving.service import SharedParts
+from gateway.serving.retraining import CaptureBook
 from gateway.settings import GatewaySettings
-from gateway.store import Store
-from gateway.usage import EngineWork
+from gateway.records.store import Store
+from gateway.edge.usage import EngineWork
 
 
 @dataclass

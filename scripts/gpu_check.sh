@@ -40,12 +40,12 @@ test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 "$VENV/bin/calm" model prepare
 "$VENV/bin/python" - <<'PY' | tee "$OUT/runner.txt"
 import vllm
-from adapters.vllm_runner import model_runner
+from adapters.hosting.model_runner import model_runner
 from vllm.v1.worker.gpu.sample.logits_processor import loader
 print("vllm", vllm.__version__, "runner", model_runner())
 print("plugins under V2:", loader._load_v2_logitsprocs_plugins())
 from vllm.v1.sample.logits_processor import LogitsProcessor as V1Only
-class Previous(V1Only):  # the shape of adapters/vllm_alpha.py before 61
+class Previous(V1Only):  # the shape of adapters/vllm_plugins/alpha.py before 61
     pass
 try:
     loader._load_v2_logitsprocs_by_fqcns([Previous])
@@ -55,7 +55,7 @@ except ValueError as e:
 PY
 "$VENV/bin/python" - <<'PY' | tee "$OUT/settings.txt"
 import torch
-from adapters.engine_settings import EngineOverrides, resolve
+from adapters.hosting.engine_settings import EngineOverrides, resolve
 print(torch.cuda.get_device_name(0), resolve(EngineOverrides()).as_dict())
 PY
 set +e

@@ -1,12 +1,12 @@
 """Part (a) of the GPU check, for a lent GPU machine without vLLM (torch, transformers, peft, accelerate; what else it
 needs is carried there by scripts/gpu_carry.sh, and `bash scripts/gpu_check.sh a` runs this). A few minutes on one GPU:
 
-1. the α head's table (adapters/alpha_heads.py, what the V2 processor applies) on CUDA logits against d ⊙ z + l
+1. the α head's table (adapters/vllm_plugins/alpha_heads.py, what the V2 processor applies) on CUDA logits against d ⊙ z + l
    computed in float64 on the host: one head for the whole batch and a mixed batch, float32 and bfloat16 logits;
 2. `calm train` of the embedded model (configs/train/smoke.toml) on CUDA in float32 and bfloat16, its evaluation and
    its head beside the same configuration trained on a CPU (the reference carried from the developer machine);
 3. the offline engine's bf16 budget: option probabilities of the embedded model in bfloat16 on CUDA against float32
-   on the host, within BF16_BUDGET (adapters/engine_settings.py).
+   on the host, within BF16_BUDGET (adapters/hosting/engine_settings.py).
 
     python scripts/gpu_check_a.py --reference .gpu-carry/1/reference --out DIR   # writes DIR/gpu_check_a.{md,json}
     python scripts/gpu_check_a.py --make-reference DIR    # on the CPU machine: the smoke run part (a) compares with
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from adapters.alpha_heads import HeadTable
-from adapters.engine_settings import BF16_BUDGET
+from adapters.vllm_plugins.alpha_heads import HeadTable
+from adapters.hosting.engine_settings import BF16_BUDGET
 from calm_core.artifact import load_artifact
 from calm_core.data import load_mc
 from calm_core.models import prepare_embedded

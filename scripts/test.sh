@@ -33,8 +33,8 @@ if ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
     || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq haproxy >/dev/null; }
 fi
 
-# `calm engine` and the fleet's stock engines preload tcmalloc (adapters/allocator.py; vLLM's CPU backend asks for it).
-if ! "$VENV/bin/python" -c "import sys; from adapters.allocator import tcmalloc_library; sys.exit(not tcmalloc_library())"; then
+# `calm engine` and the fleet's stock engines preload tcmalloc (adapters/hosting/allocator.py; vLLM's CPU backend asks for it).
+if ! "$VENV/bin/python" -c "import sys; from adapters.hosting.allocator import tcmalloc_library; sys.exit(not tcmalloc_library())"; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "installing Debian's libtcmalloc-minimal4 package for the engine servers"
   $SUDO apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \

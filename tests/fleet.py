@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from adapters.allocator import TCMALLOC_PRELOAD
-from adapters.cpu_limits import usable_cpus
-from adapters.engine_settings import FLEET_CPU_BLOCK_SIZE, SINGLE_PROCESS_ENV
+from adapters.hosting.allocator import TCMALLOC_PRELOAD
+from adapters.hosting.cpu_limits import usable_cpus
+from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, SINGLE_PROCESS_ENV
 from tests.servers import background, calm_argv, free_port, wait_until
 
 MODEL = "calm-smollm2-135m"
@@ -36,14 +36,14 @@ def engine_argv(model_dir: Path, port: int) -> list[str]:
             "--enable-lora", "--max-lora-rank", "64", "--max-loras", "4", "--seed", "0",
             "--block-size", str(FLEET_CPU_BLOCK_SIZE),  # options scored token by token re-read the question
             "--no-enable-chunked-prefill",  # a seeded request prefilled in chunks kills a CPU engine (CPU_CHUNKED_PREFILL)
-            "--middleware", "adapters.vllm_warm.ServedVersionsFirst",
+            "--middleware", "adapters.vllm_plugins.warm.ServedVersionsFirst",
             "--host", "127.0.0.1", "--port", str(port)]
 
 
 # The engines' environment besides the registry's: run-time LoRA loading, and vLLM's single-process switch, without
 # which its CPU platform replaces `--distributed-executor-backend uni` by "mp": a worker process per engine whose
 # engine core busy-polls it, twice the CPU per token (benchmarks/results/stock_engine.md); and tcmalloc, without which
-# vLLM's CPU LoRA kernels fault in fresh pages at every step (adapters/allocator.py). docker-compose.yml's engines
+# vLLM's CPU LoRA kernels fault in fresh pages at every step (adapters/hosting/allocator.py). docker-compose.yml's engines
 # carry the same (tests/test_deploy.py).
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", **SINGLE_PROCESS_ENV, **TCMALLOC_PRELOAD}
 

@@ -35,7 +35,7 @@ def option_tolerances(gateway_url: str) -> tuple[float, float]:
     1e-3 in fp32, the bf16 budget otherwise."""
     import httpx
 
-    from adapters.engine_settings import BF16_BUDGET
+    from adapters.hosting.engine_settings import BF16_BUDGET
 
     dtype = httpx.get(f"{gateway_url}/health", headers={"Authorization": "Bearer dev-admin-key"}, timeout=30).json()["engine"].get("dtype", "float32")
     if dtype == "float32":

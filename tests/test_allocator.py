@@ -1,9 +1,9 @@
-"""Which allocator `calm engine` gives its vLLM server (adapters/allocator.py): tcmalloc preloaded when installed, the
+"""Which allocator `calm engine` gives its vLLM server (adapters/hosting/allocator.py): tcmalloc preloaded when installed, the
 operator's own preload kept, the system's when asked for or when tcmalloc is missing, and the start-up line says which."""
 
 from __future__ import annotations
 
-from adapters.allocator import tcmalloc_library, with_allocator
+from adapters.hosting.allocator import tcmalloc_library, with_allocator
 
 LIB = "libtcmalloc_minimal.so.4"
 

@@ -1,7 +1,7 @@
 """The exactness budget in bfloat16 (CUDA's default dtype): the gateway's numbers against HF transformers in fp32.
 
 fp32 engines agree with HF to 1e-3 (the other gateway tests). In bf16 the budget is BF16_BUDGET
-(adapters/engine_settings.py). Here the engine runs bf16 on the CPU (AVX-512 bf16); `scripts/gpu_check.sh` runs this
+(adapters/hosting/engine_settings.py). Here the engine runs bf16 on the CPU (AVX-512 bf16); `scripts/gpu_check.sh` runs this
 same test on a GPU, where the dtype is bf16 by default.
 """
 
@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from adapters.engine_settings import BF16_BUDGET
+from adapters.hosting.engine_settings import BF16_BUDGET
 from calm_core.data import load_mc
 from calm_core.prompts import render_chat
 from tests.hf_reference import cloze_option_probs

@@ -40,7 +40,7 @@ def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(t
                           "domain 'Medicine': a domain is lower-case letters")
     assert run_calm("jobs", "create", "geo", env=env).returncode == 0  # no default version yet: not checkable
     from calm_core.registry import Registry
-    from gateway.store import Store
+    from gateway.records.store import Store
 
     store = Store(f"sqlite:///{tmp_path / 'g.db'}")
     version = Registry(store, tmp_path / "registry").ensure_default(shipped_artifact.path)
@@ -59,7 +59,7 @@ def test_an_artifact_made_outside_the_loop_is_registered_with_its_lineage_and_pr
 
     from calm_core.artifact import Recalibration, derive_version
     from calm_core.registry import Registry
-    from gateway.store import Store
+    from gateway.records.store import Store
 
     env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
     store = Store(f"sqlite:///{tmp_path / 'g.db'}")
@@ -105,7 +105,7 @@ def test_a_status_filter_that_names_no_status_is_refused(tmp_path):
 
 
 def test_a_review_names_the_option_its_withheld_letter_stands_for():
-    from gateway.handoff_store import Review
+    from gateway.records.handoff_store import Review
 
     request = {"messages": [{"role": "user", "content": "Which nerve innervates the deltoid?"}],
                "options": ["Axillary", "Radial", "Median", "Ulnar"]}

@@ -7,8 +7,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.keys import KeyRing, TokenBucket, hash_key
-from gateway.store import Store
+from gateway.edge.keys import KeyRing, TokenBucket, hash_key
+from gateway.records.store import Store
 from tests.test_gateway_logic import FailingEngine, _tiny_tokenizer
 
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
@@ -92,7 +92,7 @@ def test_development_lets_placeholder_keys_through_but_checks_calm_keys(tmp_path
 
 
 def test_a_revocation_by_another_replica_reaches_this_one_within_the_refresh_interval(tmp_path):
-    from gateway.keys import issue_key
+    from gateway.edge.keys import issue_key
 
     now = [0.0]
     store = Store(tmp_path / "shared.db")
@@ -122,8 +122,8 @@ def test_feedback_comes_from_the_key_that_got_the_answer_or_a_labeller(tmp_path)
     from fastapi.testclient import TestClient
     from sqlalchemy import select
 
-    from gateway.store import FEEDBACK
-    from gateway.wire import response_key
+    from gateway.records.store import FEEDBACK
+    from gateway.serving.wire import response_key
 
     with TestClient(make_app(tmp_path, require_api_keys=True)) as http:
         keys = {name: http.post("/admin/keys", json={"name": name, **extra}, headers=ADMIN).json()

@@ -1,4 +1,4 @@
-"""The cores shared step by step among in-process CPU engines (adapters/core_share.py, adapters/vllm_core_share.py):
+"""The cores shared step by step among in-process CPU engines (adapters/hosting/core_share.py, adapters/vllm_plugins/core_share.py):
 the sizing rule, the board the engines share, and the logits processor that re-sizes an engine core's team. The
 shipped gateway's engines doing it for real: tests/test_gateway_default.py."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from adapters.core_share import (BETWEEN_STEPS_S, ENDED, LONGEST_STEP_S, PREFIX, SLOTS, STARTED, CoreBoard, CoreShares,
+from adapters.hosting.core_share import (BETWEEN_STEPS_S, ENDED, LONGEST_STEP_S, PREFIX, SLOTS, STARTED, CoreBoard, CoreShares,
                                  busy_engines, remove_orphans, team_size)
 
 
@@ -83,8 +83,8 @@ def test_the_processor_resizes_its_engines_team_before_each_step_and_leaves_the_
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's CPU worker makes of it
 
-    from adapters.vllm_common import CORE_SHARE_KEY
-    from adapters.vllm_core_share import CoreShareLogitsProcessor
+    from adapters.vllm_plugins.common import CORE_SHARE_KEY
+    from adapters.vllm_plugins.core_share import CoreShareLogitsProcessor
 
     board = CoreBoard(tmp_path / "board", create=True)
     mine, theirs = board.take_slot(), board.take_slot()

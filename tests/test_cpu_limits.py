@@ -1,4 +1,4 @@
-"""The cores the engines split (adapters/cpu_limits.py): the affinity mask, capped by a cgroup CPU quota anywhere above
+"""The cores the engines split (adapters/hosting/cpu_limits.py): the affinity mask, capped by a cgroup CPU quota anywhere above
 the process (a container's `--cpus`, a Kubernetes CPU limit), read from cgroup v2 and v1 file trees laid out here."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from adapters.cpu_limits import cgroup_cpu_limit, quota_cores, usable_cpus
+from adapters.hosting.cpu_limits import cgroup_cpu_limit, quota_cores, usable_cpus
 
 
 def test_quota_in_cores():
@@ -40,7 +40,7 @@ def test_cgroup_v1_reads_the_cpu_hierarchy(tmp_path):
 
 
 def test_usable_cpus_is_the_mask_capped_by_the_quota(monkeypatch):
-    import adapters.cpu_limits as limits
+    import adapters.hosting.cpu_limits as limits
 
     mask = len(os.sched_getaffinity(0))
     monkeypatch.setattr(limits, "cgroup_cpu_limit", lambda text: None)
@@ -57,7 +57,7 @@ def test_this_machine_reads_without_error():
 
 
 def test_a_process_runs_omp_num_threads_where_set_else_the_usable_cores(monkeypatch):
-    from adapters.cpu_limits import process_threads
+    from adapters.hosting.cpu_limits import process_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert process_threads() == 3  # more than the cores, if asked: the operator's call

@@ -1,4 +1,4 @@
-"""The Grafana dashboard (gateway/dashboard.py): the committed JSON is the module's output, and every panel's query
+"""The Grafana dashboard (gateway/observe/dashboard.py): the committed JSON is the module's output, and every panel's query
 names only metrics the gateway exports. tests/test_gateway_e2e.py evaluates every query against a real Prometheus
 scraping a live gateway."""
 
@@ -9,8 +9,8 @@ import re
 
 from prometheus_client import CollectorRegistry
 
-from gateway.dashboard import OUT, REPO, build, drift_threshold, panels
-from gateway.monitoring import Metrics
+from gateway.observe.dashboard import OUT, REPO, build, drift_threshold, panels
+from gateway.observe.monitoring import Metrics
 
 
 def exported_names() -> set[str]:
@@ -22,7 +22,7 @@ def exported_names() -> set[str]:
 
 
 def test_the_committed_dashboard_is_the_modules_output():
-    assert json.loads(OUT.read_text()) == build(), "run `python -m gateway.dashboard` and commit the JSON"
+    assert json.loads(OUT.read_text()) == build(), "run `python -m gateway.observe.dashboard` and commit the JSON"
 
 
 def test_every_query_reads_only_the_gateways_metrics():

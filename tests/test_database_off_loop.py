@@ -31,7 +31,7 @@ def test_a_slow_database_under_an_admin_route_does_not_hold_the_liveness_probe(t
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             audit = asyncio.ensure_future(client.get("/admin/audit", headers=ADMIN))
-            while not entered.is_set():  # the admin call is now inside the store
+            while not entered.is_set() and not audit.done():  # the admin call is now inside the store (or failed)
                 await asyncio.sleep(0.01)
             live = await client.get("/health/live")
             still_waiting = not audit.done()
@@ -72,7 +72,7 @@ def test_a_postgresql_server_that_never_answers_fails_the_connection_in_seconds(
 def test_a_stale_cache_is_read_again_in_a_thread_while_the_loop_serves_the_last_value():
     """Policies, keys and capture settings were read again on the event loop when stale: a slow store held every
     request. Now the loop serves the last value while one thread reads; a failed read keeps the last value."""
-    from gateway.cached import CachedRead
+    from gateway.records.cached import CachedRead
 
     now, release, reads = [0.0], threading.Event(), []
 

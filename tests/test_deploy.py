@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 MANIFESTS = sorted((REPO / "deploy/k8s").glob("*.yaml"))
 # The plugin's flags: what makes a stock vLLM server a CALM engine (docs/engines.md).
 PLUGIN_FLAGS = [["--logprobs-mode", "processed_logprobs"], ["--enable-lora"], ["--max-lora-rank", "64"],
-                ["--middleware", "adapters.vllm_warm.ServedVersionsFirst"]]
+                ["--middleware", "adapters.vllm_plugins.warm.ServedVersionsFirst"]]
 
 
 def documents() -> list[dict]:

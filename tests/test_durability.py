@@ -151,7 +151,7 @@ def fake_merge(monkeypatch, weights: bytes = b"weights"):
 
 
 def test_a_cached_merged_copy_that_changed_is_built_again_not_served(tmp_path, monkeypatch, shipped_artifact):
-    from adapters.merged_weights import built_merged_dir, merged_model_dir
+    from adapters.hosting.merged_weights import built_merged_dir, merged_model_dir
 
     base = tmp_path / "base"
     base.mkdir()

@@ -1,4 +1,4 @@
-"""Engine cores forked from a preloaded server (adapters/engine_processes.py): a forked child starts with the
+"""Engine cores forked from a preloaded server (adapters/hosting/engine_processes.py): a forked child starts with the
 server's environment, fixed when the server started; the process must carry its parent's, as spawn does."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from adapters.engine_processes import EngineCoreContext, EnvCarryingProcess
+from adapters.hosting.engine_processes import EngineCoreContext, EnvCarryingProcess
 from tests.servers import REPO
 
 
@@ -72,7 +72,7 @@ def test_a_forked_engine_core_runs_the_openmp_thread_count_its_parent_set():
     wanted = len(os.sched_getaffinity(0)) + 1  # not what torch picks by itself (the usable cores)
     script = textwrap.dedent(f"""
         import multiprocessing, os
-        from adapters.engine_processes import EngineCoreContext
+        from adapters.hosting.engine_processes import EngineCoreContext
         from tests.test_engine_processes import report_threads as report
 
         if __name__ == "__main__":
@@ -103,8 +103,8 @@ def forkserver_spin_counts(engines: int, threads: int | None) -> list[str]:
     after the version set its environment."""
     script = textwrap.dedent(f"""
         import multiprocessing, types
-        from adapters.engine_processes import EngineCoreContext
-        from adapters.inprocess import InProcessVLLMEngine
+        from adapters.hosting.engine_processes import EngineCoreContext
+        from adapters.clients.inprocess import InProcessVLLMEngine
         from tests.test_engine_processes import report_threads as report
 
         if __name__ == "__main__":

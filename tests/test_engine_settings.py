@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from adapters.cpu_limits import omp_threads_set
-from adapters.engine_settings import EngineOverrides, engine_wait_policy, resolve
+from adapters.hosting.cpu_limits import omp_threads_set
+from adapters.hosting.engine_settings import EngineOverrides, engine_wait_policy, resolve
 
 
 def test_cpu_defaults_are_todays_engine():
@@ -152,7 +152,7 @@ def test_the_thread_count_comes_from_calm_engine_threads_else_omp_num_threads(mo
 def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):
     """`calm eval`, reports and the worker's judging run the gateway's engine settings (here a CUDA gateway's), on
     CPU with merged adapters: the GPU share is dropped, the KV cache and the engine start carried."""
-    from adapters.inprocess import offline_settings
+    from adapters.clients.inprocess import offline_settings
     from gateway.settings import GatewaySettings
 
     monkeypatch.setenv("CALM_DEVICE", "cuda")
@@ -170,7 +170,7 @@ def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):
 def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_path, shipped_artifact):
     """A version with an adapter: its merged copy from the cache once a gateway built it, else None (offline scoring
     then merges into a temporary folder); a version without one: the base model."""
-    from adapters.merged_weights import built_merged_dir, write_cache_index
+    from adapters.hosting.merged_weights import built_merged_dir, write_cache_index
     from calm_core.artifact import load_artifact
     from training.artifacts import write_identity_artifact
 
@@ -195,7 +195,7 @@ def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_woul
     tokenizer and saving it again, and the copy loads to the same vocabulary and chat template."""
     from transformers import AutoTokenizer
 
-    from adapters.merged_weights import copy_tokenizer
+    from adapters.hosting.merged_weights import copy_tokenizer
 
     copied, saved = tmp_path / "copied", tmp_path / "saved"
     copied.mkdir()

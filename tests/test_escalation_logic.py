@@ -11,9 +11,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from gateway.escalation import TargetFailed, letter_of, read_reply, target_request
-from gateway.peer import HOP_HEADER, hop_value
-from gateway.policies import Policy
+from gateway.serving.escalation import TargetFailed, letter_of, read_reply, target_request
+from gateway.edge.peer import HOP_HEADER, hop_value
+from gateway.policy.policies import Policy
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from tests.test_gateway_logic import LetterEngine, science_app
 
@@ -279,6 +279,6 @@ def test_a_key_file_that_is_not_one_key_is_never_sent_and_no_upstream_text_reach
 def test_a_malformed_hop_is_no_hop_and_no_error(value):
     """With a secret set, a header a caller wrote in any shape is simply not a hop (int() refused '²', a 5,000-digit
     time, and compare_digest a non-ASCII MAC)."""
-    from gateway.peer import is_peer_hop
+    from gateway.edge.peer import is_peer_hop
 
     assert is_peer_hop("s", value, b"{}") is False

@@ -117,7 +117,7 @@ def test_the_lane_keeps_keys_and_the_body_limit(tmp_path):
 
 def test_the_render_cache_returns_the_templates_text_and_skips_long_conversations():
     from calm_core.prompts import render_chat
-    from gateway import prompting
+    from gateway.serving import prompting
 
     tokenizer = _tiny_tokenizer()
     short = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]

@@ -88,7 +88,7 @@ def test_an_engine_core_that_died_turns_liveness_to_503_so_the_gateway_is_restar
         assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
         assert httpx.get(f"{base}/health/live", timeout=30).status_code == 200
         children = psutil.Process(proc.pid).children(recursive=True)
-        # The engine cores: forked by the forkserver (adapters/engine_processes.py), the gateway's only grandchildren.
+        # The engine cores: forked by the forkserver (adapters/hosting/engine_processes.py), the gateway's only grandchildren.
         cores = [p for p in children if p.ppid() != proc.pid]
         assert len(cores) == 1, [(p.pid, p.ppid(), " ".join(p.cmdline())[:120]) for p in children]
         cores[0].send_signal(signal.SIGKILL)

@@ -91,7 +91,7 @@ def test_either_replica_serves_both_modes_as_hf_does(fleet, shipped_artifact, sh
         assert fcal["mode"] == "free_form" and "Paris" in free.choices[0].message.content
         assert free.choices[0].message.content == ff_tokenizer.decode(answer, skip_special_tokens=True)
         assert fcal["confidence"] == pytest.approx(float(np.exp(np.mean(calibrated))), abs=1e-3)
-        # Not upstream: vLLM's prompt log-probs on a LoRA crash the engine in mixed batches (adapters/upstream.py).
+        # Not upstream: vLLM's prompt log-probs on a LoRA crash the engine in mixed batches (adapters/clients/upstream.py).
         assert fcal["raw_confidence"] is None
     # Semantic confidence over the fleet: samples drawn without the head (opted out per request), the answer kept.
     semantic = fleet.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FREE}],
@@ -241,7 +241,7 @@ def test_a_gateway_replica_killed_under_load(fleet, postgres_url):
     """(d) One replica SIGKILLed under load: HAProxy routes around it (every request started after the kill is
     answered), and every feedback acknowledged before or after is stored once; feedback sent to replica B for an
     answer served by replica A is accepted and counted once."""
-    from gateway.store import Store
+    from gateway.records.store import Store
 
     a, b = fleet.gateway_url(0), fleet.gateway_url(1)
     r, _ = mc(fleet.client(a), "science")
@@ -266,7 +266,7 @@ def test_a_gateway_replica_killed_under_load(fleet, postgres_url):
 def test_an_engine_killed_under_load_then_restarted(fleet, versions, shipped_artifact, shipped_model):
     """(c) One engine SIGKILLed under 4 concurrent clients: no request hangs, failures are 503s (requests in flight on
     it), requests started after the kill are served by the other; restarted, it has loaded the active version before
-    its /health passes (adapters/vllm_warm.py: no request reaches it before), then serves it with the numbers HF
+    its /health passes (adapters/vllm_plugins/warm.py: no request reaches it before), then serves it with the numbers HF
     gives, alone."""
     results, _, killed_at, gone_at = under_load(fleet, 4, "engine0", fleet.gateway_url(1))
     assert all(c in (200, 503) for *_, c in results), results

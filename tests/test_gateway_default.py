@@ -12,8 +12,8 @@ import numpy as np
 import openai
 import pytest
 
-from adapters.core_share import team_size
-from adapters.cpu_limits import usable_cpus
+from adapters.hosting.core_share import team_size
+from adapters.hosting.cpu_limits import usable_cpus
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
@@ -82,7 +82,7 @@ def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
 
 def test_the_engines_share_the_cores_step_by_step(started):
     """Nothing set: each engine sizes its OpenMP team before every step to its share of the usable cores among the
-    engines computing then (adapters/core_share.py): the one-pass engine alone (raw pass off) runs on every core, a
+    engines computing then (adapters/hosting/core_share.py): the one-pass engine alone (raw pass off) runs on every core, a
     multiple-choice question's two passes at once on half each (benchmarks/results/engine_threads.md)."""
     base, cpus = started["base"], usable_cpus()
 
@@ -297,7 +297,7 @@ def test_seeded_answers_in_a_batch_prefilled_in_chunks_keep_the_engine_and_follo
     """Twelve seeded answers to ~240-token prompts at once: more prompt than an engine step takes (2,048 tokens), which
     vLLM prefilled in chunks, and a seeded request prefilled in chunks killed the CPU engine ("CPU Generator does not
     use offset"; the gateway's engine then stayed dead: every request 503). Now each prompt is prefilled in one step
-    (adapters/engine_settings.py, CPU_CHUNKED_PREFILL): every answer comes back, each the same as its request sent
+    (adapters/hosting/engine_settings.py, CPU_CHUNKED_PREFILL): every answer comes back, each the same as its request sent
     alone, and the gateway stays ready. The prompts' length fits the tests' 128 MB cache, where a longer prompt's
     chunk found no free block and was not scheduled at all."""
     filler = "The quick brown fox jumps over the lazy dog. " * 20

@@ -311,11 +311,11 @@ def test_bad_admin_and_feedback_requests(gateway):
 def test_every_dashboard_query_returns_the_gateways_series(gateway, client, shared_data, tmp_path):
     """A real Prometheus scrapes this gateway after the tests above (answers, feedback, bad requests) and a
     guaranteed-risk policy with uploaded labels and feedback; every query of every panel of the Grafana dashboard
-    (gateway/dashboard.py) returns series, those of per-domain panels each with a `domain` label."""
+    (gateway/observe/dashboard.py) returns series, those of per-domain panels each with a `domain` label."""
     import shutil
     import time
 
-    from gateway.dashboard import panels
+    from gateway.observe.dashboard import panels
     from tests.servers import wait_until
 
     questions = [q for q in load_mc("medmcqa", "dev", root=shared_data) if q.n_options == 4][:40]

@@ -11,9 +11,9 @@ import pytest
 from calm_core.prompts import ClozeTokens, detect_option_letters, parse_options_question
 from calm_core.scoring import cloze_scores, option_distribution, options_softmax, sequence_confidence, topk_entropy
 from calm_core.semantic import SAMPLE_TEMPERATURE
-from gateway.drift import ConfidenceWindow, histogram_share, ks, psi
+from gateway.observe.drift import ConfidenceWindow, histogram_share, ks, psi
 from gateway.errors import status_code_name
-from gateway.policies import Action, Policy, resolve, threshold_for_risk
+from gateway.policy.policies import Action, Policy, resolve, threshold_for_risk
 
 
 def test_option_distribution_renormalises_over_options():
@@ -161,7 +161,7 @@ def test_detect_option_letters(text, letters):
 
 
 def test_logprobs_follow_vllms_wire_rules():
-    from gateway.logprobs import chat_logprobs, completion_logprobs, option_position, token_positions
+    from gateway.serving.logprobs import chat_logprobs, completion_logprobs, option_position, token_positions
 
     text = {1: "a", 2: "b", 3: "c", 4: "d"}.__getitem__
     # The sampled token (3) first, then the rest by rank, as the engine's dict orders them.
@@ -685,7 +685,7 @@ def test_group_commit_writes_a_burst_in_few_transactions_and_fails_every_caller_
     import asyncio
     import threading
 
-    from gateway.group_commit import GroupCommit
+    from gateway.records.group_commit import GroupCommit
 
     written: list[list[int]] = []
     writing, release = threading.Event(), threading.Event()
@@ -730,7 +730,7 @@ def test_group_commit_writes_a_lone_request_on_the_loop_and_anything_else_in_the
     import asyncio
     import threading
 
-    from gateway.group_commit import GroupCommit
+    from gateway.records.group_commit import GroupCommit
 
     loop_thread = threading.get_ident()
     writes: list[tuple[str, list[int]]] = []
@@ -771,11 +771,11 @@ def test_group_commit_writes_a_lone_request_on_the_loop_and_anything_else_in_the
 
 
 def test_the_prompt_token_bound_is_never_below_the_token_count(embedded_model_dir):
-    """The cheap bound that spares tokenizing short prompts (gateway/prepare.py) holds on real questions under the
+    """The cheap bound that spares tokenizing short prompts (gateway/serving/prepare.py) holds on real questions under the
     chat template, in several scripts."""
     from calm_core.data import load_open
     from calm_core.prompts import render_chat
-    from gateway.prepare import prompt_token_bound
+    from gateway.serving.prepare import prompt_token_bound
 
     from transformers import AutoTokenizer
 
@@ -814,7 +814,7 @@ def test_the_added_latency_benchmark_sends_the_gateways_exact_request_directly(t
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from adapters.upstream import _payload
+    from adapters.clients.upstream import _payload
     from benchmarks.bench_added_latency import MODEL, variants
     from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app

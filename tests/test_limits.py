@@ -166,7 +166,7 @@ def test_a_stream_whose_client_reads_nothing_is_closed_and_frees_what_it_held():
     """A client that stops reading made uvicorn's send wait for ever, holding the stream's slots and engine requests
     (63, item 5). Here the send never completes, as on a full socket: the response gives up after its write timeout
     and closes the stream, whose `finally` (slot release, engine abort) runs."""
-    from gateway.limits import WriteTimeoutStreamingResponse
+    from gateway.edge.limits import WriteTimeoutStreamingResponse
 
     closed, sent = asyncio.Event(), []
 

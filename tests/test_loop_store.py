@@ -15,8 +15,8 @@ from calm_core.errors import ArtifactError, ConfigError
 from calm_core.jobs import JobQueue
 from calm_core.paths import BUNDLED_DIR
 from calm_core.registry import GLOBAL, Registry, RegistryError
-from training.retrain_data import captured_questions
-from training.retrain_gate import GateInputs, LoopConfig, gate
+from training.retrain.data import captured_questions
+from training.retrain.gate import GateInputs, LoopConfig, gate
 from tests.servers import wait_until
 
 SHIPPED = BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"
@@ -164,7 +164,7 @@ def test_captured_prompts_become_unlabelled_calibration_questions_without_duplic
 def test_free_form_prompts_and_labels_become_open_questions_and_the_job_picks_its_modes(tmp_path):
     from calm_core.capture import Capture, CapturedPrompt
     from calm_core.splits import load_split, materialize
-    from training.retrain_data import (
+    from training.retrain.data import (
         captured_open_questions, job_split, labelled_open_questions, labelled_questions, traffic_counts,
         write_questions,
     )
@@ -200,7 +200,7 @@ def test_a_candidate_takes_each_mode_from_its_retraining_or_else_from_the_parent
     """Multiple-choice traffic only: the new multiple-choice mode with the parent's free-form mode; free-form only: the
     parent's multiple-choice mode with the new free-form mode; both: both new ones."""
     from calm_core.errors import CalmError
-    from training.retrain import Worker
+    from training.retrain.worker import Worker
 
     parent = load_artifact(artifact_copy(tmp_path, "parent"))
     new_mc = artifact_copy(tmp_path, "new-mc")  # told apart from the parent's mode by a metric only it has
@@ -223,7 +223,7 @@ def test_a_candidate_takes_each_mode_from_its_retraining_or_else_from_the_parent
 
 
 def test_a_job_retraining_both_modes_takes_the_stricter_gate():
-    from training.retrain_gate import GateDecision, both
+    from training.retrain.gate import GateDecision, both
 
     promote, operator, reject = (GateDecision(o, (o,)) for o in ("promote", "operator", "reject"))
     assert both(promote, promote).outcome == "promote"
@@ -271,7 +271,7 @@ def test_gate_promotes_label_free_candidates_only_when_configured():
 
 
 def test_a_job_that_cannot_start_fails_with_its_reason_and_the_worker_goes_on(tmp_path):
-    from training.retrain import Worker
+    from training.retrain.worker import Worker
 
     db = Database(tmp_path / "g.sqlite3")
     worker = Worker(LoopConfig(train_config=str(tmp_path / "missing.toml"), runs_dir=str(tmp_path / "jobs")), db,
@@ -294,7 +294,7 @@ def test_training_config_overrides_include_the_model():
 def test_a_label_free_job_waits_for_its_domains_captured_prompts_then_goes_on_with_them(tmp_path):
     """A drift alert fires on the first shifted answers: the job waits (its log says for what) while the traffic it
     is about is still being captured, and takes what arrived; without time left it takes what is there at once."""
-    from training.retrain import Heartbeat, Worker
+    from training.retrain.worker import Heartbeat, Worker
 
     db = Database(tmp_path / "g.sqlite3")
     capture, queue = Capture(db), JobQueue(db)

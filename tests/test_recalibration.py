@@ -73,7 +73,7 @@ def test_the_split_is_seeded_disjoint_and_never_empty():
 def test_a_recalibrated_version_is_a_new_version_with_the_parents_parts_and_its_lineage(tmp_path):
     from calm_core.alpha_head import AlphaHead
     from calm_core.artifact import BaseModelRef, Recalibration, TokenizerRef, derive_version, load_artifact, save_artifact
-    from gateway.prepare import ServedArtifact
+    from gateway.serving.prepare import ServedArtifact
 
     head = AlphaHead(scale=np.array([0.8], dtype=np.float32), shift=np.array([0.0], dtype=np.float32))
     parent = save_artifact(tmp_path / "parent", head, base_model=BaseModelRef(id="tiny", weights_sha256="w" * 64),
@@ -106,7 +106,7 @@ def test_the_free_form_fit_recovers_the_power_that_generated_the_verdicts_and_ke
 
 def test_a_job_picks_the_labelled_map_by_the_labels_a_domain_has():
     from calm_core.errors import CalmError
-    from training.retrain_labelled import job_method
+    from training.retrain.labelled import job_method
 
     assert job_method("auto", 99, 100, "science") == "label_free"
     assert job_method("auto", 100, 100, "science") == "labelled"
@@ -127,9 +127,9 @@ def test_a_job_recalibrates_on_feedback_verdicts_alone(tmp_path, embedded_model_
     from calm_core.paths import BUNDLED_DIR
     from calm_core.registry import Registry
     from calm_core.served_answers import ServedAnswer
-    from gateway.store import Store
-    from training.retrain import Worker
-    from training.retrain_gate import load_loop_config
+    from gateway.records.store import Store
+    from training.retrain.worker import Worker
+    from training.retrain.gate import load_loop_config
 
     store = Store(tmp_path / "gw.sqlite3")
     registry = Registry(store, tmp_path / "registry")
@@ -165,9 +165,9 @@ def test_a_job_on_verdicts_of_both_modes_recalibrates_both_in_one_version(tmp_pa
     from calm_core.paths import BUNDLED_DIR
     from calm_core.registry import Registry
     from calm_core.served_answers import ServedAnswer
-    from gateway.store import Store
-    from training.retrain import Worker
-    from training.retrain_gate import load_loop_config
+    from gateway.records.store import Store
+    from training.retrain.worker import Worker
+    from training.retrain.gate import load_loop_config
 
     store = Store(tmp_path / "gw.sqlite3")
     registry = Registry(store, tmp_path / "registry")
@@ -215,8 +215,8 @@ def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_
     from calm_core.jobs import JobQueue
     from calm_core.paths import BUNDLED_DIR
     from calm_core.registry import Registry
-    from training.retrain import Worker
-    from training.retrain_gate import load_loop_config
+    from training.retrain.worker import Worker
+    from training.retrain.gate import load_loop_config
 
     db = Database(tmp_path / "gw.sqlite3")
     registry = Registry(db, tmp_path / "registry")

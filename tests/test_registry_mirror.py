@@ -44,8 +44,8 @@ def test_a_version_registered_on_one_machine_is_fetched_and_checked_on_another(s
 
 
 def test_an_engine_resolves_versions_from_the_url_and_refuses_what_does_not_match(s3, tmp_path, monkeypatch):
-    from adapters.vllm_common import resolve_version, served_adapter
-    from adapters.vllm_warm import served_list, served_names
+    from adapters.vllm_plugins.common import resolve_version, served_adapter
+    from adapters.vllm_plugins.warm import served_list, served_names
     from calm_core.db import Database
     from calm_core.registry import Registry
 

@@ -1,4 +1,4 @@
-"""The gateway answers from its first second (gateway/starting.py): 503 "starting" with Retry-After on every path but
+"""The gateway answers from its first second (gateway/edge/starting.py): 503 "starting" with Retry-After on every path but
 /health/live until the built app's lifespan has started, then the app answers; a failed start stops the server with
 its reason. Logic only (a stand-in app); the real engine's start is observed in tests/test_gateway_default.py."""
 
@@ -13,7 +13,7 @@ import httpx
 from fastapi import FastAPI
 
 from calm_core.errors import CalmError
-from gateway.starting import RETRY_AFTER_S, YOUNG_GENERATION_THRESHOLD, StartingApp
+from gateway.edge.starting import RETRY_AFTER_S, YOUNG_GENERATION_THRESHOLD, StartingApp
 
 
 def inner_app(events: list[str]) -> FastAPI:

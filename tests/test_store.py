@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gateway.store import Store, VersionConflict
+from gateway.records.store import Store, VersionConflict
 
 
 def test_policies_are_versioned_audited_and_durable(database):
@@ -49,7 +49,7 @@ def test_feedback_is_idempotent_and_labels_come_back_in_order(database):
 
 
 def test_escalations_and_reviews_are_stored_and_judged_once(database):
-    from gateway.handoff_store import HandoffStore, Review
+    from gateway.records.handoff_store import HandoffStore, Review
 
     store = Store(database)
     handoff = HandoffStore(store)
@@ -211,7 +211,7 @@ def test_replicas_starting_together_on_an_empty_postgresql_create_the_tables_onc
 
 def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_reviews(database):
     from calm_core.served_answers import ServedAnswer, judged_choices, judged_free_form
-    from gateway.handoff_store import HandoffStore, Review
+    from gateway.records.handoff_store import HandoffStore, Review
 
     store = Store(database)
     mc = ServedAnswer("v1", "multiple_choice", 0.7, None, 0, (0.7, 0.2, 0.1))
@@ -239,7 +239,7 @@ def test_served_answers_keep_their_scores_and_take_the_verdict_of_feedback_and_r
 
 
 def test_a_write_that_may_not_wait_declines_on_a_busy_sqlite_and_keeps_the_wal_bounded(tmp_path):
-    """A request alone has its record written on the event loop (gateway/group_commit.py), so that write must never
+    """A request alone has its record written on the event loop (gateway/records/group_commit.py), so that write must never
     wait for SQLite's lock (held by another process, or by this one's worker thread), must survive a failed statement,
     and never checkpoints the WAL itself: the WAL stays bounded when such writes carry all the traffic (one in
     CHECKPOINT_EVERY declines)."""

@@ -12,10 +12,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from gateway.escalation import Escalator, TargetFailed
-from gateway.policies import EscalationTarget
+from gateway.serving.escalation import Escalator, TargetFailed
+from gateway.policy.policies import EscalationTarget
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.targets import Target, Targets, address_allowed
+from gateway.policy.targets import Target, Targets, address_allowed
 from tests.test_escalation_logic import ADMIN, QUESTION, TARGET, TARGETS, answering_b, gateway_app
 
 
@@ -165,7 +165,7 @@ def test_a_target_serves_only_the_use_the_operator_gave_it(tmp_path):
 def test_an_admin_cannot_write_a_legacy_url_in_any_form():
     from pydantic import ValidationError
 
-    from gateway.policies import Policy
+    from gateway.policy.policies import Policy
 
     for review in ({"legacy_url": None}, {"legacy_url": ""}, {"webhook": "ops-hook", "legacy_url": "http://x/h"}):
         with pytest.raises(ValidationError, match="operator's"):

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import inspect, text
 
 from calm_core.engine import EngineUnavailable
-from gateway.handoff_store import HandoffStore, Review
-from gateway.store import Store
+from gateway.records.handoff_store import HandoffStore, Review
+from gateway.records.store import Store
 from tests.servers import free_port
 from tests.test_client_keys import ADMIN, ask, make_app
 from tests.test_escalation_logic import QUESTION, gateway_app
@@ -116,7 +116,7 @@ def test_the_gateways_server_closes_a_connection_whose_headers_do_not_arrive_in_
     closes a connection that sends nothing, or headers that never end, once `header_timeout_s` has passed."""
     import uvicorn
 
-    from gateway.http_server import server_config
+    from gateway.edge.http_server import server_config
 
     settings = SimpleNamespace(host="127.0.0.1", port=free_port(), drain_s=30.0, keep_alive_s=75, header_timeout_s=0.5,
                                body_timeout_s=0.5)
@@ -171,7 +171,7 @@ def test_a_key_id_drawn_twice_is_drawn_again_and_keys_issued_with_short_ids_keep
     """Key ids were 4 random bytes, and a repeat made the key's creation a 500 (a primary key violated)."""
     import secrets
 
-    from gateway.keys import new_key
+    from gateway.edge.keys import new_key
 
     drawn = iter(["0123abcd", "0123abcd", "feedfacecafebeef"])
     real = secrets.token_hex

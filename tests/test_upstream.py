@@ -69,7 +69,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
                  registry, timeout=300) as engine, \
          running(calm_argv("serve", "--port", str(gw_port)), f"http://127.0.0.1:{gw_port}/health", tmp_path / "gw.log", env):
         base = f"http://127.0.0.1:{gw_port}"
-        # `calm engine` runs on tcmalloc (scripts/test.sh installs it; adapters/allocator.py), and says so
+        # `calm engine` runs on tcmalloc (scripts/test.sh installs it; adapters/hosting/allocator.py), and says so
         assert "libtcmalloc_minimal" in Path(f"/proc/{engine.pid}/maps").read_text()
         started = (tmp_path / "engine.log").read_text()
         assert "allocator: libtcmalloc_minimal.so.4 (preloaded)" in started
@@ -168,7 +168,7 @@ def test_failover_marks_a_failing_upstream_down_and_asks_the_next(embedded_model
     from aiohttp import web
 
     from calm_core.engine import EngineOutput, EngineRequest, EngineUnavailable, generate
-    from adapters.upstream import UpstreamVLLMEngine
+    from adapters.clients.upstream import UpstreamVLLMEngine
 
     seen = []
 
@@ -221,7 +221,7 @@ def test_a_connection_closed_before_any_answer_is_asked_again_on_a_fresh_one(how
     import struct
 
     from calm_core.engine import EngineRequest, generate
-    from adapters.upstream import UpstreamVLLMEngine
+    from adapters.clients.upstream import UpstreamVLLMEngine
 
     body = answer_text(streamed=False).encode()
     connections = []
@@ -262,7 +262,7 @@ def test_a_whole_answer_is_awaited_as_a_whole_and_a_stream_chunk_by_chunk():
     from aiohttp import web
 
     from calm_core.engine import EngineRequest, EngineUnavailable, generate
-    from adapters.upstream import UpstreamVLLMEngine
+    from adapters.clients.upstream import UpstreamVLLMEngine
 
     async def completions(request: web.Request) -> web.Response:
         streamed = (await request.json()).get("stream", False)
@@ -292,7 +292,7 @@ def test_every_sampling_parameter_is_sent_so_a_servers_generation_config_never_f
     """A stock `vllm serve` fills a parameter a request leaves out from the model's generation_config.json (Qwen2.5's
     repetition penalty 1.05, top-k 20): the read-back of a free-form answer must reach the engine with vLLM's "off"
     values, so they are always sent (n only where it is not 1)."""
-    from adapters.upstream import _payload
+    from adapters.clients.upstream import _payload
     from calm_core.engine import EngineRequest
 
     body = _payload("m", "v1", EngineRequest("r", prompt="", prompt_token_ids=(1, 2), max_tokens=1, top_logprobs=5))

@@ -9,7 +9,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from adapters.vllm_alpha import AlphaHeadLogitsProcessor
+from adapters.vllm_plugins.alpha import AlphaHeadLogitsProcessor
 from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import BaseModelRef, TokenizerRef, save_artifact
 
@@ -57,7 +57,7 @@ def test_batch_updates_track_opt_outs(processor):
 
 
 def test_http_style_opt_out_values_and_validation(processor):
-    from adapters.alpha_heads import wants_alpha
+    from adapters.vllm_plugins.alpha_heads import wants_alpha
 
     assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": 0}))
     assert not wants_alpha(SamplingParams(extra_args={"calm_alpha": "false"}))

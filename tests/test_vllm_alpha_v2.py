@@ -23,9 +23,9 @@ from vllm.exceptions import VLLMValidationError
 from vllm.v1.worker.gpu.sample.logits_processor import (LogitsContext, build_custom_logits_processors,
                                                          build_custom_logits_processors_params_validator, loader)
 
-from adapters.vllm_alpha import AlphaHeadLogitsProcessor
-from adapters.vllm_alpha_v2 import AlphaHeadV2
-from adapters.vllm_common import LOGITS_PROCESSOR
+from adapters.vllm_plugins.alpha import AlphaHeadLogitsProcessor
+from adapters.vllm_plugins.alpha_v2 import AlphaHeadV2
+from adapters.vllm_plugins.common import LOGITS_PROCESSOR
 from calm_core.alpha_head import AlphaHead
 from calm_core.artifact import BaseModelRef, TokenizerRef, save_artifact
 
@@ -166,7 +166,7 @@ from vllm.config import VllmConfig
 from vllm.v1.sample.logits_processor import build_logitsprocs
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcRequestState, loader
 [cls] = loader._load_v2_logitsprocs_plugins()
-import adapters.vllm_alpha as plugin
+import adapters.vllm_plugins.alpha as plugin
 assert set(plugin.IMPORT_ERRORS) == {"v1", "v2"}, plugin.IMPORT_ERRORS
 states = LogitsProcRequestState(torch.device("cpu"), 4, 16, None, None, None, None)
 foreign = cls(VllmConfig(), states)
@@ -202,7 +202,7 @@ def test_prompt_log_probs_read_the_same_from_either_runners_rows(cached):
     position (the cached ones stale), V2 only from the first computed one. Both give the same numbers."""
     from vllm.logprobs import Logprob
 
-    from adapters.vllm_outputs import prompt_logprobs_by_position
+    from adapters.clients.vllm_outputs import prompt_logprobs_by_position
 
     ids = [11, 12, 13, 14, 15, 16]
     truth = {i: -0.1 * i for i in range(len(ids))}
@@ -218,8 +218,8 @@ def test_prompt_log_probs_read_the_same_from_either_runners_rows(cached):
 @pytest.mark.parametrize("runner_env, shared", [("0", True), ("1", False)])
 def test_the_cpu_core_share_processor_is_registered_only_under_the_v1_runner(monkeypatch, tmp_path, runner_env, shared):
     """The core-share step hook is a V1 processor: an engine on Model Runner V2 would refuse it by name and not start."""
-    from adapters.inprocess import engine_args
-    from adapters.vllm_common import CORE_SHARE_PROCESSOR
+    from adapters.clients.inprocess import engine_args
+    from adapters.vllm_plugins.common import CORE_SHARE_PROCESSOR
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", runner_env)
     args = engine_args({"model": str(tmp_path), "logits_processors": [LOGITS_PROCESSOR], "additional_config": {}},
@@ -231,7 +231,7 @@ def test_the_cpu_core_share_processor_is_registered_only_under_the_v1_runner(mon
 def test_a_mixed_batch_larger_than_one_gather_gets_every_rows_head(tmp_path):
     """Mixed batches are gathered a slice of rows at a time (alpha_heads.MIXED_ROWS): every row of a batch spanning
     several slices still gets its own head, the raw rows untouched."""
-    from adapters.alpha_heads import MIXED_ROWS, HeadTable
+    from adapters.vllm_plugins.alpha_heads import MIXED_ROWS, HeadTable
 
     rng = np.random.default_rng(5)
     heads = [(np.exp(rng.normal(size=V)).astype(np.float32), rng.normal(size=V).astype(np.float32)) for _ in range(2)]

@@ -1,5 +1,5 @@
 """The engine middleware that loads the served versions before a (re)started engine takes traffic
-(adapters/vllm_warm.py), against a scripted stand-in for vLLM's server app (the real server runs it in
+(adapters/vllm_plugins/warm.py), against a scripted stand-in for vLLM's server app (the real server runs it in
 tests/test_fleet.py); and the serving list the gateways keep in the registry folder (calm_core/registry.py)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _version(root, name: str, adapter: bool, free_form: bool) -> None:
 
 
 def test_health_waits_for_every_served_name_then_passes_through(tmp_path, monkeypatch):
-    from adapters.vllm_warm import ServedVersionsFirst
+    from adapters.vllm_plugins.warm import ServedVersionsFirst
 
     root = tmp_path / "registry"
     _version(root, "v1", adapter=True, free_form=True)
@@ -81,7 +81,7 @@ def test_health_waits_for_every_served_name_then_passes_through(tmp_path, monkey
 
 
 def test_without_a_registry_or_a_serving_list_the_engine_is_ready_at_once(tmp_path, monkeypatch):
-    from adapters.vllm_warm import ServedVersionsFirst
+    from adapters.vllm_plugins.warm import ServedVersionsFirst
 
     async def health(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://e") as client:
@@ -98,8 +98,8 @@ def test_without_a_registry_or_a_serving_list_the_engine_is_ready_at_once(tmp_pa
 def test_the_gateway_publishes_what_it_serves_when_it_changes(tmp_path):
     from prometheus_client import CollectorRegistry
 
-    from gateway.deployments import Deployment, Deployments
-    from gateway.monitoring import DomainMonitor, Metrics
+    from gateway.serving.deployments import Deployment, Deployments
+    from gateway.observe.monitoring import DomainMonitor, Metrics
 
     root = tmp_path / "registry"
     registry = Registry(Database(tmp_path / "r.db"), root)
@@ -119,7 +119,7 @@ def test_an_engine_started_with_an_api_key_still_loads_its_served_versions(tmp_p
 
     from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
-    from adapters.vllm_warm import ServedVersionsFirst
+    from adapters.vllm_plugins.warm import ServedVersionsFirst
 
     root = tmp_path / "registry"
     _version(root, "v1", adapter=True, free_form=False)

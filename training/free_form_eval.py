@@ -1,5 +1,5 @@
 """Free-form answers evaluated as the gateway serves them, through the gateway's scorers (calm_core/scorers/) on an
-engine the caller injects (`calm_core.engine.EngineFactory`; the CLI passes vLLM in process, adapters/inprocess.py):
+engine the caller injects (`calm_core.engine.EngineFactory`; the CLI passes vLLM in process, adapters/clients/inprocess.py):
 the artifact's weights (adapter merged) with its α head in the logits processor, the question as the one user message
 under the chat template.
 

@@ -8,15 +8,36 @@ optimizer, so θ and α are averaged the same way in every method.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from training.alpha_params import AlphaParams
 from training.bome import bome_direction
+from training.config import TrainConfig
+from training.features import Batch, BatchStream
 from training.objectives import cft_gap
 
-if TYPE_CHECKING:
-    from training.trainer import Trainer
+
+class Trainer(Protocol):
+    """The trainer as a step sees it (training/trainer.py implements it): the steps name no more than this."""
+
+    cfg: TrainConfig
+    theta: list[torch.nn.Parameter]
+    alpha: AlphaParams
+    train_stream: BatchStream
+    calib_stream: BatchStream
+    cft_bins: torch.Tensor | None
+
+    def forward(self, batch: Batch): ...
+
+    def calibrated(self, raw, batch: Batch) -> torch.Tensor: ...
+
+    def g(self, batch: Batch, raw=None, smoothing: float = 0.0) -> torch.Tensor: ...
+
+    def f(self, batch: Batch) -> torch.Tensor: ...
+
+    def apply(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None: ...
 
 
 def step_sft(t: "Trainer", smoothing: float = 0.0, cft: bool = False) -> dict:

@@ -11,17 +11,18 @@ from fastapi import Path as FastAPIPath
 from pydantic import ValidationError
 
 from gateway.errors import NOT_JSON, APIError, json_content_type, validation_message
-from gateway.keys import ClientKey, issue_key
-from gateway.labels import score_labelled
-from gateway.policies import Policy, resolve, stored_policy, unknown_target
-from gateway.handoff_store import Review
+from gateway.edge.keys import issue_key
+from gateway.records.client_keys import ClientKey
+from gateway.serving.labels import score_labelled
+from gateway.policy.policies import Policy, resolve, stored_policy, unknown_target
+from gateway.records.handoff_store import Review
 from gateway.protocol.admin import (
     KeyCreate, KeyCreated, KeyList, KeyOut, LabelledOpenQuestion, LabelUpload, LabelUploadResult, PolicyOut,
     ReviewClosed, ReviewList, ReviewOut, ReviewVerdict,
 )
 from gateway.routers.deps import DOMAIN_PATTERN, DomainPath, admin, checked_domain, documented, served_domain, state
 from gateway.state import GatewayState
-from gateway.store import VersionConflict
+from gateway.records.store import VersionConflict
 
 router = APIRouter()
 POLICY_BODY = {"requestBody": {"required": True, "content": {"application/json": {

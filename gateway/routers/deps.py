@@ -13,8 +13,8 @@ from fastapi import Path as FastAPIPath
 from calm_core.domains import DOMAIN_NAME, DomainError, checked_name
 from calm_core.domains import served_domain as domain_rule
 from gateway.errors import APIError
-from gateway.keys import ClientKey
-from gateway.policies import DEFAULT_DOMAIN
+from gateway.records.client_keys import ClientKey
+from gateway.policy.policies import DEFAULT_DOMAIN
 from gateway.protocol.common import ErrorResponse
 from gateway.state import GatewayState
 

@@ -1,7 +1,7 @@
 """Feedback on served answers: a verdict per choice, stored durably, feeding online calibration and guarantees.
 A verdict on an escalated answer judges the target's answer: it is kept with the escalation and counted apart, never
 taken as a label of the first model. An answer withheld for review takes no feedback from the caller, who saw only the
-policy's message: the reviewer's verdict is its label (gateway/handoff_store.py)."""
+policy's message: the reviewer's verdict is its label (gateway/records/handoff_store.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import asyncio
 from fastapi import APIRouter, Depends
 
 from gateway.errors import APIError
-from gateway.keys import ClientKey
-from gateway.wire import response_key
+from gateway.records.client_keys import ClientKey
+from gateway.serving.wire import response_key
 from gateway.protocol.feedback import FeedbackRequest, FeedbackResponse
 from gateway.routers.deps import client, documented, state
 from gateway.state import GatewayState

@@ -1,7 +1,7 @@
 """Health (every loaded version's engine answers), the liveness and readiness probes, and Prometheus metrics.
 
 /health describes the deployment (engine URLs and settings, versions, routes, why a version did not load, which can
-name its files) only to a caller holding the admin key: anyone else learns whether it is healthy, no more. Until the engines have started, gateway/starting.py
+name its files) only to a caller holding the admin key: anyone else learns whether it is healthy, no more. Until the engines have started, gateway/edge/starting.py
 answers these paths itself (live 200, ready 503)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from calm_core.registry import GLOBAL, STATUSES, RegistryError
 from calm_core.domains import DOMAIN_OR_GLOBAL, OTHER
 from gateway.errors import APIError
 from gateway.protocol.loop import AlertmanagerPayload, AlertsAccepted, CaptureSettingsIn, JobCreate, Promotion
-from gateway.retraining import jobs_from_alerts
+from gateway.serving.retraining import jobs_from_alerts
 from gateway.routers.deps import DOMAIN_PATTERN, admin, documented, served_domain, state
 from gateway.state import GatewayState
 

@@ -15,19 +15,20 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 
 from calm_core.engine import EngineBudget, engine_budget
-from gateway import batch, responses
-from gateway.deployments import Deployment
+from gateway.serving import batch, responses
+from gateway.serving.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
-from gateway.peer import HOP_HEADER, is_peer_hop
+from gateway.edge.peer import HOP_HEADER, is_peer_hop
 from gateway.settings import peer_secret
-from gateway.keys import ClientKey
-from gateway.limits import WriteTimeoutStreamingResponse, deadline, within_deadline
-from gateway.pipeline import CalibratedService, RequestContext
+from gateway.records.client_keys import ClientKey
+from gateway.edge.limits import WriteTimeoutStreamingResponse, deadline, within_deadline
+from gateway.serving.context import RequestContext
+from gateway.serving.service import CalibratedService
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.deps import client, documented, state
 from gateway.state import GatewayState
-from gateway.wire import calibration_headers
+from gateway.serving.wire import calibration_headers
 
 router = APIRouter()
 # A 200 is JSON, or with `stream: true` server-sent events: both in the contract (schemathesis checks content types).
@@ -78,7 +79,7 @@ async def model(model: str, _: ClientKey | None = Depends(client), gateway: Gate
 
 
 async def escalated_here(raw_request: Request) -> bool:
-    """A peer gateway escalated this request here, proven by its signed hop (gateway/peer.py): answer it, never hand
+    """A peer gateway escalated this request here, proven by its signed hop (gateway/edge/peer.py): answer it, never hand
     it off again. A hop anyone could write is not one: the request is answered as any caller's."""
     value = raw_request.headers.get(HOP_HEADER)
     if value is None:

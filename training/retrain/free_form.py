@@ -1,0 +1,133 @@
+"""A retraining job's free-form stage: generative CALM on the domain's captured free-form prompts.
+
+The upper level needs nothing but prompts (the entropy is taken at the model's own greedy answers), so captured
+chat traffic without options is a calibration set as it stands. The stage trains a new free-form mode, warm-started
+from the one serving the domain (its adapter and head), with the loop's free-form training config; then scores the
+candidate mode and the serving one as the gateway serves them (vLLM, the engine factory the caller passes) on the
+domain's labelled free-form questions: the loop config's open-ended test sets (or the training split's) for accuracy,
+and the questions uploaded through /admin/labels (alias answers) for ECE, when the domain has enough of them. The
+candidate's token confidences on the domain's captured prompts (read again when it is judged) become the domain's
+reference histogram.
+
+The parent's semantic-confidence map is kept: it maps the agreement of answers sampled *without* the head, and the
+stage moves the weights by a tiny θ step at most (the training config's lr_theta), so the samples it was fitted on are
+the new mode's too. A labelled token temperature is not kept: it was fitted to the old head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from calm_core.artifact import FREE_FORM_DIR, load_artifact, update_manifest
+from calm_core.capture import CapturedPrompt
+from calm_core.data import load_open_file
+from calm_core.engine import EngineFactory
+from calm_core.errors import CalmError
+from calm_core.label_free import ChoiceMovement, confidence_correlation
+from calm_core.models import resolve_model
+from calm_core.splits import SourceSpec, load_split, materialize
+from training.config import TrainConfig, load_config
+from training.free_form_eval import FreeFormRecord, evaluate_sets, free_form_metrics
+from training.retrain.data import captured_open_questions, job_split, labelled_open_questions, write_questions
+
+
+@dataclass(frozen=True)
+class FreeFormSettings:
+    """What the stage reads from the loop config (training/retrain/worker.py's LoopConfig)."""
+
+    train_config: str
+    min_prompts: int
+    max_prompts: int
+    min_feedback_labels: int
+    warm_start: bool
+    tests: list[SourceSpec]  # the domain's open-ended test sets (may be empty)
+
+
+@dataclass(frozen=True)
+class FreeFormCandidate:
+    artifact: Path  # the trained free-form mode (applies_to free_form)
+    result: dict  # in_domain / labels / inputs, in the shape the gate reads
+    captured_confidences: np.ndarray  # its token confidences on the captured prompts
+
+
+def metrics_of(records: list[FreeFormRecord]) -> dict:
+    """The gate's metrics of one set (AUROC is None where undefined, so the result stays valid JSON)."""
+    m = free_form_metrics(records)
+    return {k: (float(m[k]) if np.isfinite(m[k]) else None) for k in ("n", "accuracy", "mean_confidence", "ece_10",
+                                                                      "auroc", "brier")}
+
+
+def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord]) -> ChoiceMovement:
+    """Label-free, on the captured prompts: the share whose greedy answer stays the active mode's, and the rank
+    correlation of the two modes' token confidences."""
+    same = float(np.mean([a.text.strip() == c.text.strip() for a, c in zip(active, candidate)])) if active else 1.0
+    return ChoiceMovement(same, confidence_correlation([r.token_confidence for r in active],
+                                                       [r.token_confidence for r in candidate]))
+
+
+def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], domain: str, work: Path) -> Path:
+    """The newest captured free-form prompts, written once (a resumed job keeps the prompts it started with)."""
+    path = work / "calibration.jsonl"
+    if path.is_file():
+        return path
+    questions = captured_open_questions(prompts, domain)[-settings.max_prompts:]
+    if len(questions) < settings.min_prompts:
+        raise CalmError(f"{len(questions)} captured free-form prompts in domain {domain!r}; the job needs "
+                        f"{settings.min_prompts} (enable capture: PUT /admin/capture/{domain})")
+    return write_questions(path, questions)
+
+
+def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, parent_mode: Path | None,
+                      prompts: list[CapturedPrompt], model: str | None, engines: EngineFactory,
+                      train: Callable[[TrainConfig], Path], note: Callable[[str, str | None], None],
+                      latest: Callable[[], list[CapturedPrompt]] | None = None) -> FreeFormCandidate:
+    """`parent_mode`: the serving version's free-form mode (None: the base model); `prompts`: the domain's capture
+    when the job started (its calibration set); `latest` reads it again when the
+    candidate is judged, for the reference histogram: a drift alert fires on a half-full window, so traffic is still
+    arriving while the job trains, and a reference of the first few dozen prompts is mostly sampling noise."""
+    work = job_dir / FREE_FORM_DIR
+    work.mkdir(parents=True, exist_ok=True)
+    calib = calibration_file(settings, prompts, domain, work)
+    train_cfg = load_config(settings.train_config, out_dir=str(work / "run"), model=model)
+    split_path = job_split(train_cfg.split, domain, calib, work / "split.toml", settings.tests or None, open_ended=True)
+    start = str(parent_mode) if parent_mode is not None and settings.warm_start else None
+    train_cfg = train_cfg.model_copy(update={"split": str(split_path), "init_from": start})
+    captured = load_open_file(calib)
+    note(f"free form: {len(captured)} captured prompts as the calibration set, from "
+         f"{parent_mode.parent.name if parent_mode else 'the base model'}", "training")
+    exported = train(train_cfg)
+    if parent_mode is not None:
+        update_manifest(exported, semantic=load_artifact(parent_mode).manifest.semantic)
+    note("free form: trained; judging the candidate mode", "judging")
+
+    model_path = str(resolve_model(train_cfg.model).path)
+    tests = materialize(load_split(split_path)).role("test_in_domain")
+    labels = labelled_open_questions(prompts, domain)
+    judged = labels if len(labels) >= settings.min_feedback_labels and parent_mode is not None else []
+    reference = captured_open_questions(latest() if latest else prompts, domain)[-settings.max_prompts:]
+    cand = evaluate_sets(engines, model_path, exported, {"tests": tests, "labels": judged, "captured": reference}, 0)
+    active = (evaluate_sets(engines, model_path, parent_mode, {"tests": tests, "labels": judged, "captured": reference}, 0)
+              if parent_mode is not None else None)
+    in_domain = {"candidate": metrics_of(cand["tests"]), "active": metrics_of(active["tests"]) if active else None}
+    inputs = {"candidate_accuracy": in_domain["candidate"]["accuracy"],
+              "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels),
+              "candidate_auroc": in_domain["candidate"]["auroc"],
+              "active_auroc": in_domain["active"]["auroc"] if active else None}
+    movement = asdict(answer_movement(active["captured"], cand["captured"])) if active else {}
+    inputs.update(movement)
+    on_labels = {}
+    if judged:
+        on_labels = {"candidate": metrics_of(cand["labels"]), "active": metrics_of(active["labels"])}
+        inputs.update(candidate_feedback_ece=on_labels["candidate"]["ece_10"],
+                      active_feedback_ece=on_labels["active"]["ece_10"],
+                      candidate_feedback_auroc=on_labels["candidate"]["auroc"],
+                      active_feedback_auroc=on_labels["active"]["auroc"])
+    result = {"parent_mode": parent_mode.parent.name if parent_mode else None, "captured_prompts": len(captured),
+              "reference_prompts": len(reference), "in_domain": in_domain, "labels": on_labels, "captured": movement,
+              "inputs": inputs}
+    confidences = np.array([r.token_confidence for r in cand["captured"]])
+    return FreeFormCandidate(exported, result, confidences)
