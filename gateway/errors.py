@@ -25,18 +25,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calm_core.engine import EngineRejected, EngineUnavailable, EngineWorkExceeded
 from gateway.protocol.common import NONBLANK, ErrorInfo, ErrorResponse
+from gateway.protocol.routes import ANSWER_ROUTES
 
 log = logging.getLogger("calm.gateway")
 # The answer routes' paths and their endpoint label in calm_requests_total / calm_errors_total.
-ANSWER_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 UNRESOLVED_DOMAIN = "unresolved"  # the domain label of a request refused before its domain was read
 
 
 def count_refusal(gateway, path: str, status: int, kind: str) -> None:
     """A POST to an answer route refused before it was answered (its body invalid, its key missing or wrong): counted
     like the errors the route counts itself, under the domain label `unresolved`."""
-    endpoint = ANSWER_ENDPOINTS.get(path)
-    if endpoint is not None and gateway is not None:
+    route = ANSWER_ROUTES.get(path)
+    if route is not None and gateway is not None:
+        endpoint = route.name
         gateway.metrics.errors.labels(endpoint, UNRESOLVED_DOMAIN, kind).inc()
         gateway.metrics.requests_of(endpoint, UNRESOLVED_DOMAIN, str(status)).inc()
 

@@ -31,14 +31,11 @@ from pydantic import ValidationError
 from gateway.errors import APIError, classified_response, count_refusal, json_content_type
 from gateway.edge.peer import HOP_HEADER, is_peer_hop
 from gateway.edge.limits import read_up_to, replay
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
-from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.openai import answer
+from gateway.serving.endpoints import ENDPOINTS
 from gateway.settings import peer_secret
 from gateway.state import GatewayState
 
-ROUTES = {"/v1/chat/completions": ("chat", ChatCompletionRequest), "/v1/completions": ("completions", CompletionRequest),
-          "/v1/responses": ("responses", ResponsesRequest)}
 _HOP = HOP_HEADER.lower().encode()
 _WANTED = (b"authorization", b"content-length", b"content-type", b"x-calm-domain", _HOP)
 
@@ -60,8 +57,8 @@ class FastLane:
         self.app, self.state, self.max_bytes = app, state, max_bytes
 
     async def __call__(self, scope, receive, send):
-        route = ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if route is None:
+        endpoint = ENDPOINTS.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
             return await self.app(scope, receive, send)
         headers = _headers(scope["headers"])
         declared = headers.get(b"content-length")
@@ -74,7 +71,7 @@ class FastLane:
         request = None
         if body and json_content_type(headers.get(b"content-type")):
             try:
-                request = route[1].model_validate_json(body)
+                request = endpoint.route.request.model_validate_json(body)
             except ValidationError:
                 request = None
         if request is None:  # the framework answers it, exactly as without the lane
@@ -84,7 +81,7 @@ class FastLane:
             try:
                 key = self.state.keyring.authenticate(headers.get(b"authorization"))
                 hop = is_peer_hop(peer_secret(self.state.settings), headers.get(_HOP), body)
-                response = await answer(self.state, route[0], request, headers.get(b"x-calm-domain"), key, hop)
+                response = await answer(self.state, endpoint, request, headers.get(b"x-calm-domain"), key, hop)
             except Exception as e:  # noqa: BLE001 - classified as the framework's handlers do (errors.py)
                 if isinstance(e, APIError) and e.status == 401:  # refused before the route: counted as the app does
                     count_refusal(self.state, scope["path"], 401, e.type)

@@ -9,11 +9,12 @@ labels. Both therefore score "as served" by the same code.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import ClassVar, Protocol
 
-from calm_core.engine import EngineOutput, EngineRequest
+from calm_core.engine import EngineDelta, EngineOutput, EngineRequest
 from calm_core.prompts import PreparedPrompt
 from calm_core.semantic import SemanticCalibration
 
@@ -104,6 +105,20 @@ class Scorer(Protocol):
     streams: ClassVar[bool]  # its answer can be shown token by token before the confidence is known
 
     async def score(self, job: ScoringJob) -> Scoring: ...
+
+    def stream(self, job: ScoringJob) -> AsyncIterator[EngineDelta | Scoring]:
+        """The answer as the engine writes it (its deltas), then its Scoring, last: the scorer makes every engine call
+        of a streamed answer too. One whose answer comes whole (`streams` False) yields the Scoring alone."""
+        ...
+
+
+class WholeAnswer:
+    """The stream of a scorer whose answer is known only with its confidence: its scoring, once."""
+
+    streams: ClassVar[bool] = False
+
+    async def stream(self, job: ScoringJob) -> AsyncIterator[EngineDelta | Scoring]:
+        yield await self.score(job)  # type: ignore[attr-defined]  # the scorer's own
 
 
 def raw_request(request: EngineRequest, **changes) -> EngineRequest:

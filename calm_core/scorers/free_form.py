@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import weakref
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import ClassVar
 
 from calm_core.answers import AgreementReader, cluster_entropy, semantic_clusters
 from calm_core.engine import (
-    EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices, prepaid,
+    EngineClient, EngineDelta, EngineOutput, EngineRequest, EngineUnavailable, charged, generate, generate_choices,
+    prepaid,
 )
-from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
+from calm_core.scorers.base import (
+    AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, WholeAnswer, raw_request,
+)
 from calm_core.recalibration import powered
 from calm_core.scoring import sequence_confidence, topk_entropy
 from calm_core.semantic import SemanticCalibration
@@ -111,14 +115,21 @@ class TokenScorer:
         self.token_temperature = post_hoc.token_temperature
         self.head_keeps_order = post_hoc.head_keeps_order
 
-    def generation(self, job: ScoringJob) -> EngineRequest:
-        """What the answers are drawn with (the streamed path sends it itself and hands the outputs to `read`)."""
+    def _generation(self, job: ScoringJob) -> EngineRequest:
+        """What the answers are drawn with."""
         return answer_request(job.request, self.head_keeps_order)
 
     async def score(self, job: ScoringJob) -> Scoring:
-        return await self.read(job, await generate_choices(self.engine, self.generation(job)))
+        return await self._read(job, await generate_choices(self.engine, self._generation(job)))
 
-    async def read(self, job: ScoringJob, outs: list[EngineOutput]) -> Scoring:
+    async def stream(self, job: ScoringJob) -> AsyncIterator[EngineDelta | Scoring]:
+        deltas = []
+        async for delta in self.engine.stream(charged(self._generation(job))):
+            deltas.append(delta)
+            yield delta
+        yield await self._read(job, EngineOutput.collect_choices(deltas, job.request.n))
+
+    async def _read(self, job: ScoringJob, outs: list[EngineOutput]) -> Scoring:
         """The scoring of outputs already generated: each read back through the version's calibration, and without
         it where the raw confidence is wanted."""
         readings = asyncio.gather(*(self._reading(job.request, o, i) for i, o in enumerate(outs)))
@@ -161,12 +172,11 @@ def samples_seed(request: EngineRequest) -> int:
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "big") >> 1  # vLLM takes any int; keep it 31-bit
 
 
-class SemanticScorer:
+class SemanticScorer(WholeAnswer):
     path: ClassVar[ScoringPath] = ScoringPath.SEMANTIC
     kind: ClassVar[AnswerKind] = AnswerKind.FREE_FORM
     description: ClassVar[str] = ("semantic: the token answer; its confidence from how many answers sampled without the "
                                   "head say the same")
-    streams: ClassVar[bool] = False
 
     def __init__(self, engine: EngineClient, tokenizer=None, post_hoc: PostHoc = PostHoc()):
         self.engine = engine

@@ -21,7 +21,9 @@ from calm_core.engine import (
     EngineClient, EngineOutput, EngineRequest, EngineUnavailable, generate, generate_choices, prepaid,
 )
 from calm_core.prompts import LETTERS, ClozeTokens, letter_token_ids
-from calm_core.scorers.base import AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, raw_request
+from calm_core.scorers.base import (
+    AnswerKind, PostHoc, ScoredChoice, Scoring, ScoringJob, ScoringPath, WholeAnswer, raw_request,
+)
 from calm_core.scoring import OptionDistribution, cloze_scores, option_distribution, options_softmax
 
 
@@ -40,11 +42,10 @@ def sample_options(scores: np.ndarray, request: EngineRequest) -> list[int | Non
     return [int(i) for i in np.random.default_rng(request.seed).choice(len(p), size=request.n, p=p)]
 
 
-class LetterScorer:
+class LetterScorer(WholeAnswer):
     path: ClassVar[ScoringPath] = ScoringPath.LETTER
     kind: ClassVar[AnswerKind] = AnswerKind.MULTIPLE_CHOICE
     description: ClassVar[str] = "letter: one request per question, α head in the logits processor"
-    streams: ClassVar[bool] = False
 
     def __init__(self, engine: EngineClient, tokenizer, post_hoc: PostHoc = PostHoc()):
         self.engine = engine
@@ -75,11 +76,10 @@ def first_logprobs(out: EngineOutput) -> dict[int, float]:
     return out.top_logprobs[0] if out.top_logprobs else {}
 
 
-class _ClozeScorer:
+class _ClozeScorer(WholeAnswer):
     """What both cloze scorers share: a distribution from the options' scores, sampled n times where asked."""
 
     kind: ClassVar[AnswerKind] = AnswerKind.MULTIPLE_CHOICE
-    streams: ClassVar[bool] = False
     path: ClassVar[ScoringPath]
 
     def __init__(self, engine: EngineClient, tokenizer=None, post_hoc: PostHoc = PostHoc()):

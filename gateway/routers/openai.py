@@ -15,15 +15,16 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import Response
 
 from calm_core.engine import EngineBudget, engine_budget
-from gateway.serving import batch, responses
+from gateway.protocol.routes import CHAT, COMPLETIONS, RESPONSES
+from gateway.serving import endpoints
+from gateway.serving.context import Caller
+from gateway.serving.endpoints import ENDPOINTS, Endpoint
 from gateway.serving.deployments import Deployment
 from gateway.errors import APIError, ErrorClass, classify, log, sse_error
 from gateway.edge.peer import HOP_HEADER, is_peer_hop
 from gateway.settings import peer_secret
 from gateway.records.client_keys import ClientKey
 from gateway.edge.limits import WriteTimeoutStreamingResponse, deadline, within_deadline
-from gateway.serving.context import RequestContext
-from gateway.serving.service import CalibratedService
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routers.deps import client, documented, state
@@ -39,23 +40,24 @@ ANSWER_RESPONSES = {200: {"description": "the answer; with `stream: true`, serve
 
 
 # The answer routes read the state from the request itself: one dependency fewer to solve on the hot path.
-@router.post("/v1/chat/completions", responses=ANSWER_RESPONSES)
+@router.post(CHAT.path, responses=ANSWER_RESPONSES)
 async def chat_completions(req: ChatCompletionRequest, raw_request: Request,
                            x_calm_domain: str | None = Header(default=None), key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "chat", req, x_calm_domain, key, await escalated_here(raw_request))
-
-
-@router.post("/v1/completions", responses=ANSWER_RESPONSES)
-async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
-                      key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "completions", req, x_calm_domain, key,
+    return await answer(raw_request.app.state.gateway, ENDPOINTS[CHAT.path], req, x_calm_domain, key,
                         await escalated_here(raw_request))
 
 
-@router.post("/v1/responses", responses=ANSWER_RESPONSES)
+@router.post(COMPLETIONS.path, responses=ANSWER_RESPONSES)
+async def completions(req: CompletionRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
+                      key: ClientKey | None = Depends(client)):
+    return await answer(raw_request.app.state.gateway, ENDPOINTS[COMPLETIONS.path], req, x_calm_domain, key,
+                        await escalated_here(raw_request))
+
+
+@router.post(RESPONSES.path, responses=ANSWER_RESPONSES)
 async def responses_api(req: ResponsesRequest, raw_request: Request, x_calm_domain: str | None = Header(default=None),
                         key: ClientKey | None = Depends(client)):
-    return await answer(raw_request.app.state.gateway, "responses", req, x_calm_domain, key,
+    return await answer(raw_request.app.state.gateway, ENDPOINTS[RESPONSES.path], req, x_calm_domain, key,
                         await escalated_here(raw_request))
 
 
@@ -101,13 +103,13 @@ def serving(gateway: GatewayState, req: SamplingFields | ResponsesRequest, domai
     return deployment
 
 
-async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | ResponsesRequest, domain_header: str | None,
-                 key: ClientKey | None, escalated: bool = False) -> Response:
+async def answer(gateway: GatewayState, endpoint: Endpoint, req: SamplingFields | ResponsesRequest,
+                 domain_header: str | None, key: ClientKey | None, escalated: bool = False) -> Response:
     start, end = time.perf_counter(), asyncio.get_running_loop().time() + gateway.settings.request_deadline_s
     budget = EngineBudget(gateway.settings.engine_sequences_per_request)
     engine_budget.set(budget)  # this request's task and its children
     domain = gateway.deployments.default.service.domain_of(req, domain_header)
-    slots = len(req.prompts()) if endpoint == "completions" else 1
+    slots, name = endpoint.slots(req), endpoint.name
     try:
         gateway.keyring.admit(key, domain)
         gateway.usage.admit(key)
@@ -118,53 +120,38 @@ async def answer(gateway: GatewayState, endpoint: str, req: SamplingFields | Res
         try:
             async with deadline(gateway.settings.request_deadline_s):
                 service = deployment.service
-                ctxs = contexts(service, endpoint, req, domain)
-                for ctx in ctxs:
-                    ctx.drift = deployment is gateway.deployments.for_domain(domain)
-                    ctx.handoff = not escalated
-                    ctx.key_id = key.id if key is not None else None
+                caller = Caller(key.id if key is not None else None, handoff=not escalated,
+                                drift=deployment is gateway.deployments.for_domain(domain))
+                ctxs = endpoint.contexts(service, req, domain, caller)
                 if req.stream:  # the slots are held until the stream's last chunk
-                    chunks = batch.stream(service, ctxs)
-                    if endpoint == "responses":
-                        chunks = responses.events(chunks, req, ctxs[0].response_id)
+                    chunks = endpoint.events(endpoints.stream(service, ctxs), req, ctxs[0].response_id)
                     chunks = within_deadline(chunks, end, gateway.settings.request_deadline_s)
-                    stream = held_until_done(counted(gateway, endpoint, domain, chunks), deployment,
+                    stream = held_until_done(counted(gateway, name, domain, chunks), deployment,
                                              lambda: gateway.usage.add(key, budget.spent))
                     held = True
                 else:
-                    body = await batch.complete(service, ctxs)
+                    body = await endpoints.complete(service, ctxs)
         finally:
             if not held:
                 gateway.in_flight.release(slots)
                 deployment.in_flight -= 1
                 gateway.usage.add(key, budget.spent)  # spent whether or not it was answered
     except Exception as e:
-        count_error(gateway, endpoint, domain, e)
+        count_error(gateway, name, domain, e)
         raise
     except asyncio.CancelledError:  # its client disconnected (gateway/fast_lane.py): nginx's "client closed request"
-        gateway.metrics.requests_of(endpoint, domain, "499").inc()
+        gateway.metrics.requests_of(name, domain, "499").inc()
         raise
-    gateway.metrics.requests_of(endpoint, domain, "200").inc()
+    gateway.metrics.requests_of(name, domain, "200").inc()
     if held:
         return WriteTimeoutStreamingResponse(
             gateway.in_flight.hold_stream(stream, slots), gateway.settings.stream_write_timeout_s,
             media_type="text/event-stream", headers=calibration_headers(None, domain, service.engine.artifact_version))
-    gateway.metrics.latency_of(endpoint, domain).observe(time.perf_counter() - start)
+    gateway.metrics.latency_of(name, domain).observe(time.perf_counter() - start)
     first = body.choices[0].calibration
-    if endpoint == "responses":
-        body = responses.from_chat(body, req)
+    body = endpoint.body(body, req)
     return Response(body.model_dump_json(), media_type="application/json",
                     headers=calibration_headers(first, first.domain, first.artifact_version))
-
-
-def contexts(service: CalibratedService, endpoint: str, req, domain: str) -> list[RequestContext]:
-    """What the request asks of the version's path: a chat completion, one per prompt, or the chat completion a
-    Responses API request describes."""
-    if endpoint == "chat":
-        return [service.prepare_chat(req, domain)]
-    if endpoint == "completions":
-        return batch.contexts(service, req, domain)
-    return [responses.context(service, req, domain)]
 
 
 def count_error(gateway: GatewayState, endpoint: str, domain: str, exc: BaseException) -> ErrorClass:

@@ -11,20 +11,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from gateway.serving.context import RequestContext
+from gateway.serving.context import Caller, Numbering, RequestContext
 from gateway.serving.service import CalibratedService
 from gateway.protocol.openai import CompletionRequest, CompletionResponse, UsageInfo
 
 
-def contexts(service: CalibratedService, req: CompletionRequest, domain: str) -> list[RequestContext]:
+def contexts(service: CalibratedService, req: CompletionRequest, domain: str, caller: Caller) -> list[RequestContext]:
     """One context per prompt, numbered on under the first one's response id."""
     prompts = req.prompts()
     if len(prompts) == 1:
-        return [service.prepare_completion(req, domain)]
-    ctxs = [service.prepare_completion(req.model_copy(update={"prompt": p}), domain) for p in prompts]
-    for i, ctx in enumerate(ctxs):
-        ctx.response_id, ctx.first_index, ctx.batched = ctxs[0].response_id, i * req.n, True
-    return ctxs
+        return [service.prepare_completion(req, domain, caller)]
+    first = service.prepare_completion(req.model_copy(update={"prompt": prompts[0]}), domain, caller,
+                                       Numbering(batched=True))
+    return [first] + [service.prepare_completion(req.model_copy(update={"prompt": p}), domain, caller,
+                                                 Numbering(first.response_id, i * req.n, True))
+                      for i, p in enumerate(prompts[1:], start=1)]
 
 
 def total(usages: list[UsageInfo]) -> UsageInfo:
@@ -34,8 +35,6 @@ def total(usages: list[UsageInfo]) -> UsageInfo:
 
 
 async def complete(service: CalibratedService, ctxs: list[RequestContext]) -> CompletionResponse:
-    if len(ctxs) == 1:
-        return await service.complete(ctxs[0])
     try:
         async with asyncio.TaskGroup() as group:  # a failure cancels the other prompts (their engine requests aborted)
             tasks = [group.create_task(service.complete(ctx)) for ctx in ctxs]
@@ -47,10 +46,6 @@ async def complete(service: CalibratedService, ctxs: list[RequestContext]) -> Co
 
 
 async def stream(service: CalibratedService, ctxs: list[RequestContext]) -> AsyncIterator[str]:
-    if len(ctxs) == 1:
-        async for piece in service.stream(ctxs[0]):
-            yield piece
-        return
     async for piece in interleaved([service.stream(ctx) for ctx in ctxs]):
         yield piece
     first = ctxs[0]

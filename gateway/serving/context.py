@@ -12,6 +12,30 @@ from gateway.protocol.openai import SamplingFields, UsageInfo
 from gateway.serving.wire import WireView
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who asks, as the edge established it before the context is built."""
+
+    key_id: str | None = None  # the client key asking: its answers take feedback from it (or a labeller key) only
+    # False for a request another gateway escalated here (a signed hop): it is answered, never handed off again.
+    handoff: bool = True
+    # False for a request pinned (`calm.version`) to a version other than the one serving its domain: its answers
+    # count in the domain's metrics but not in its drift window, which measures the serving version against its own
+    # reference.
+    drift: bool = True
+
+
+@dataclass(frozen=True)
+class Numbering:
+    """Where one prompt of several (completions, gateway/serving/batch.py) sits in their response: its choices are
+    numbered from `first_index` under the response id they share, and its stream leaves the usage and [DONE] to the
+    response. The default: a request of its own."""
+
+    response_id: str | None = None  # None: the prompt's own
+    first_index: int = 0
+    batched: bool = False
+
+
 @dataclass
 class RequestContext:
     """Everything one request carries through the path."""
@@ -24,18 +48,9 @@ class RequestContext:
     policy: ResolvedPolicy
     view: WireView
     response_id: str
-    # False for a request pinned (`calm.version`) to a version other than the one serving its domain: its answers
-    # count in the domain's metrics but not in its drift window, which measures the serving version against its own
-    # reference.
-    drift: bool = True
-    # False for a request another gateway escalated here (X-Calm-Escalated): it is answered, never handed off again.
-    handoff: bool = True
-    # One prompt of several (completions, gateway/serving/batch.py): its choices are numbered from `first_index` under the
-    # response id they share, and its stream leaves the usage and [DONE] to the response (`usage` keeps its share).
-    first_index: int = 0
-    batched: bool = False
-    usage: UsageInfo | None = None
-    key_id: str | None = None  # the client key asking: its answers take feedback from it (or a labeller key) only
+    caller: Caller
+    numbering: Numbering
+    usage: UsageInfo | None = None  # a batched prompt's share, set when its stream ends
 
     @property
     def buffered(self) -> bool:

@@ -72,7 +72,7 @@ class Handoff:
             served.answers[i] = Answer(theirs.text, theirs.finish_reason,
                                        first.model_copy(update=dict(escalated=True, escalation=info)),
                                        theirs.completion_tokens, lambda p=theirs.positions: p)
-            rows.append((served.key(i), domain, first.confidence, target.model, theirs.confidence, ctx.key_id))
+            rows.append((served.key(i), domain, first.confidence, target.model, theirs.confidence, ctx.caller.key_id))
         await asyncio.to_thread(self.store.record_escalations, rows)
 
     def _fall_back(self, served: Served, unsure: list[int], ctx: RequestContext, failure: TargetFailed,

@@ -12,7 +12,7 @@ from msgspec.json import decode, encode
 from pydantic import ValidationError
 
 from gateway.errors import APIError
-from gateway.serving.context import RequestContext
+from gateway.serving.context import Caller, RequestContext
 from gateway.serving.service import CalibratedService
 from gateway.protocol.openai import Calibration, ChatCompletionResponse, UsageInfo
 from gateway.protocol.responses import (
@@ -24,7 +24,8 @@ from gateway.protocol.responses import (
 NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> RequestContext:
+def contexts(service: CalibratedService, req: ResponsesRequest, domain: str, caller: Caller) -> list[RequestContext]:
+    """The chat completion the request describes, its errors named as this request names the fields."""
     try:
         chat = req.as_chat()
     except ValidationError as e:  # a chat rule the request breaks
@@ -34,14 +35,12 @@ def context(service: CalibratedService, req: ResponsesRequest, domain: str) -> R
         message = error["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
     try:
-        ctx = service.prepare_chat(chat, domain)
+        return [service.prepare_chat(chat, domain, caller, id_prefix="resp_")]  # the id feedback names
     except APIError as e:  # a limit of the chat path (max_tokens, the context length)
         if e.param not in NAMES:
             raise
         raise APIError(e.status, e.message.replace(e.param, NAMES[e.param], 1), e.type, NAMES[e.param], e.code,
                        e.retry_after_s) from None
-    ctx.response_id = f"resp_{ctx.job.request.request_id}"  # the id feedback names
-    return ctx
 
 
 def response(req: ResponsesRequest, response_id: str, text: str | None, finish_reason: str | None,

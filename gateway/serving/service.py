@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 
-from calm_core.engine import EngineClient, EngineOutput, charged
+from calm_core.engine import EngineClient, EngineDelta
 from calm_core.prompts import PreparedPrompt
 from calm_core.scorers.base import AnswerKind, ConfidenceMethod, ScoredChoice, Scoring, ScoringJob, ScoringPath
 from calm_core.scorers.registry import Scorers
@@ -38,7 +38,7 @@ from gateway.serving.retraining import CaptureBook
 from gateway.settings import GatewaySettings, peer_secret
 from gateway.records.store import Store
 from gateway.policy.targets import Targets
-from gateway.serving.context import RequestContext
+from gateway.serving.context import Caller, Numbering, RequestContext
 from gateway.serving.wire import Answer, Served, WireView, no_positions
 
 
@@ -117,21 +117,23 @@ class CalibratedService:
         raw = (req.calm.domain if req.calm and req.calm.domain else None) or (req.metadata or {}).get("domain") or header
         return self.monitor.label(raw)
 
-    def prepare_chat(self, req: ChatCompletionRequest, domain: str) -> RequestContext:
+    def prepare_chat(self, req: ChatCompletionRequest, domain: str, caller: Caller,
+                     id_prefix: str = "chatcmpl-") -> RequestContext:
         self.check_model(req.model)
         prompt = prepare_chat(self.tokenizer, req, self.artifact.answer_format)
         view = WireView(chat=True, model=req.model, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         return self._context(req, domain, prompt, req.max_completion_tokens or req.max_tokens or 256,
-                             req.top_logprobs or 0, view)
+                             req.top_logprobs or 0, view, caller, Numbering(), id_prefix)
 
-    def prepare_completion(self, req: CompletionRequest, domain: str) -> RequestContext:
+    def prepare_completion(self, req: CompletionRequest, domain: str, caller: Caller,
+                           numbering: Numbering = Numbering()) -> RequestContext:
         self.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo with logprobs would return the prompt's log-probs, which are taken before the α "
                            "head (not calibrated); ask for one of them", param="echo")
         prompt = prepare_completion(self.tokenizer, req, self.artifact.answer_format)
         view = WireView(chat=False, model=req.model, logprobs=req.logprobs, echo=req.prompt if req.echo else "")
-        return self._context(req, domain, prompt, req.max_tokens, req.logprobs or 0, view)
+        return self._context(req, domain, prompt, req.max_tokens, req.logprobs or 0, view, caller, numbering, "cmpl-")
 
     def check_model(self, name: str) -> None:
         if name != self.engine.model_name:
@@ -139,7 +141,7 @@ class CalibratedService:
                            "not_found_error", "model", "model_not_found")
 
     def _context(self, req: SamplingFields, domain: str, prompt: PreparedPrompt, max_tokens: int, top: int,
-                 view: WireView) -> RequestContext:
+                 view: WireView, caller: Caller, numbering: Numbering, id_prefix: str) -> RequestContext:
         request = self.planner.template(req, prompt, max_tokens, top)
         in_force, name = self.shared.policies.for_domain(domain)  # read once: the threshold and the method
         policy = resolve(in_force, name, self.monitor.reference(domain), req.calm.threshold if req.calm else None,
@@ -148,7 +150,7 @@ class CalibratedService:
         scorer = self.scorers.for_prompt(prompt, method)
         job = ScoringJob(prompt, request, self._wants_raw(req, scorer.kind), samples)
         return RequestContext(req, domain, prompt, scorer, job, policy, view,
-                              f"{'chatcmpl' if view.chat else 'cmpl'}-{request.request_id}")
+                              numbering.response_id or f"{id_prefix}{request.request_id}", caller, numbering)
 
     def _method(self, req: SamplingFields, policy: Policy | None) -> tuple[ConfidenceMethod, int]:
         """The free-form confidence method and its sample count: the request's, else the domain's policy's."""
@@ -167,13 +169,13 @@ class CalibratedService:
     def calibrate(self, scoring: Scoring, ctx: RequestContext) -> Served:
         """The policy applied to each scored choice, the answer observed by the domain's monitor."""
         answers = [self._answer(choice, scoring, ctx) for choice in scoring.choices]
-        return Served(ctx.response_id, answers, scoring.prompt_tokens, ctx.first_index)
+        return Served(ctx.response_id, answers, scoring.prompt_tokens, ctx.numbering.first_index)
 
     def _answer(self, choice: ScoredChoice, scoring: Scoring, ctx: RequestContext) -> Answer:
         policy, letters = ctx.policy, ctx.prompt.option_letters
         below = policy.below(choice.confidence)
         abstained = below and policy.action is Action.ABSTAIN
-        self.monitor.observe_answer(ctx.domain, choice.confidence, choice.entropy, below, abstained, ctx.drift)
+        self.monitor.observe_answer(ctx.domain, choice.confidence, choice.entropy, below, abstained, ctx.caller.drift)
         options = ([OptionProbability(label=label, probability=p) for label, p in zip(letters, choice.option_probs)]
                    if choice.option_probs is not None else None)
         clusters = [ClusterOut(answer=a, size=n) for a, n in choice.clusters] if choice.clusters is not None else None
@@ -207,7 +209,7 @@ class CalibratedService:
     async def record(self, served: Served, ctx: RequestContext) -> None:
         """Store the choices' confidences (for feedback) before the response goes out: group-committed in a thread, or
         on the event loop for a request alone (gateway/records/group_commit.py)."""
-        rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served, ctx.key_id)
+        rows = [(served.key(i), ctx.domain, a.calibration.confidence, a.served, ctx.caller.key_id)
                 for i, a in enumerate(served.answers) if not a.calibration.escalated]  # escalated: handoff_store.py
         if rows:
             await self.shared.responses.add(rows)
@@ -227,7 +229,7 @@ class CalibratedService:
     async def answer(self, ctx: RequestContext) -> Served:
         served = self.calibrate(await ctx.scorer.score(ctx.job), ctx)
         handoff = self.shared.handoff
-        served = await handoff.apply(served, ctx) if ctx.handoff else handoff.withhold(served, ctx)
+        served = await handoff.apply(served, ctx) if ctx.caller.handoff else handoff.withhold(served, ctx)
         await self.record(served, ctx)
         return served
 
@@ -235,7 +237,8 @@ class CalibratedService:
         """SSE chunks in OpenAI's shape; each choice's calibration object arrives with its final chunk. Buffered answers
         come whole; free-form answers under an annotate policy stream token by token. Errors propagate: the router
         turns them into an SSE error event."""
-        view, rid, n, base = ctx.view, ctx.response_id, ctx.job.request.n, ctx.first_index
+        view, rid, n, base = ctx.view, ctx.response_id, ctx.job.request.n, ctx.numbering.first_index
+        started: set[int] = set()  # choices whose first chunk went out
         self.capture(ctx, None)
         try:
             if view.chat:
@@ -246,15 +249,17 @@ class CalibratedService:
                     yield view.chunk(rid, [view.delta(base + i, answer.text, answer.positions, first=True)])
                     yield view.chunk(rid, [view.finish(base + i, answer)])
             else:
-                deltas = []
-                async for piece in self._token_chunks(ctx, deltas):
-                    yield piece
-                outs = EngineOutput.collect_choices(deltas, n)
-                served = self.calibrate(await ctx.scorer.read(ctx.job, outs), ctx)
+                scoring = None
+                async for item in ctx.scorer.stream(ctx.job):
+                    if isinstance(item, Scoring):
+                        scoring = item
+                    elif item.text or item.token_ids:
+                        yield self._token_chunk(ctx, item, started)
+                served = self.calibrate(scoring, ctx)
                 await self.record(served, ctx)
                 for i, answer in enumerate(served.answers):
                     yield view.chunk(rid, [view.finish(base + i, answer)])
-            if ctx.batched:
+            if ctx.numbering.batched:
                 ctx.usage = served.usage()
                 return
             if ctx.request.stream_options is not None and ctx.request.stream_options.include_usage:
@@ -264,13 +269,8 @@ class CalibratedService:
             await self.engine.abort(ctx.job.request.request_id)
             raise
 
-    async def _token_chunks(self, ctx: RequestContext, deltas: list) -> AsyncIterator[str]:
-        started = set()
-        async for delta in self.engine.stream(charged(ctx.scorer.generation(ctx.job))):
-            deltas.append(delta)
-            if delta.text or delta.token_ids:
-                positions = partial(self.positions, delta)
-                choice = ctx.view.delta(ctx.first_index + delta.index, delta.text, positions,
-                                        first=delta.index not in started)
-                yield ctx.view.chunk(ctx.response_id, [choice])
-                started.add(delta.index)
+    def _token_chunk(self, ctx: RequestContext, delta: EngineDelta, started: set[int]) -> str:
+        choice = ctx.view.delta(ctx.numbering.first_index + delta.index, delta.text, partial(self.positions, delta),
+                                first=delta.index not in started)
+        started.add(delta.index)
+        return ctx.view.chunk(ctx.response_id, [choice])
