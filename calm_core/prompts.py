@@ -66,7 +66,7 @@ def cloze_prompt(question: str) -> str:
 
     Plain text, not the chat template: zero-shot on 200 questions each, SmolLM2-135M-Instruct chose better this way on
     average (0.33 vs 0.30 over ARC-Easy, ARC-Challenge, OpenBookQA, CommonsenseQA; better on ARC-Easy and OpenBookQA,
-    worse on ARC-Challenge; benchmarks/cloze_formats.py)."""
+    worse on ARC-Challenge; benchmarks/scoring/cloze_formats.py)."""
     return f"Question: {question.strip()}\nAnswer:"
 
 

@@ -111,7 +111,7 @@ def label_free_threshold(edges, counts, target_risk: float) -> float:
     it holds only as far as the confidences are calibrated.
 
     Why inside the bins: with the threshold on bin edges it moved in steps of a tenth, and the answers it let through
-    erred well below the target (0.40 for α = 0.45 on ARC-Easy after recalibration, benchmarks/bench_recalibration.py);
+    erred well below the target (0.40 for α = 0.45 on ARC-Easy after recalibration, benchmarks/loop/bench_recalibration.py);
     the exact t of the piecewise-uniform histogram keeps the promise as closely as the histogram allows."""
     edges = np.asarray(edges, dtype=np.float64)
     counts = np.asarray(counts, dtype=np.float64)

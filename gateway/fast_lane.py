@@ -4,7 +4,7 @@ straight from ASGI.
 FastAPI stays the contract: the routes, their OpenAPI schema and every other path are its, and so is every request
 the lane does not take. The lane only skips the framework's per-request machinery on the hot path (routing, the
 dependency solver, reading the body through a Request, validating a dict built by the stdlib JSON parser), which was
-the largest share of the gateway's CPU at its ceiling (benchmarks/bench_lean.py --profile). It takes a request only
+the largest share of the gateway's CPU at its ceiling (benchmarks/gateway/bench_lean.py --profile). It takes a request only
 when the framework would hand the same body to the same handler: a JSON (or untyped) body that validates, parsed by
 pydantic-core in one step from the bytes. Anything else (invalid JSON, a validation error, another content type) is
 replayed to FastAPI untouched, so each refusal keeps the framework's exact answer.
@@ -17,7 +17,7 @@ A client that disconnects while its answer is worked out cancels it, engine requ
 does (`with_cancellation`): neither uvicorn nor Starlette cancels a handler whose client has gone, so a request given up
 on would otherwise hold its engine slot until it finished or hit the deadline. Unlike vLLM's, the watcher starts only
 once a request has run for WATCH_AFTER_S: a watcher task per request costs 17 µs, the timer 5
-(benchmarks/bench_disconnect_watch.py), and a disconnect is never missed, only noticed up to WATCH_AFTER_S late
+(benchmarks/gateway/bench_disconnect_watch.py), and a disconnect is never missed, only noticed up to WATCH_AFTER_S late
 (uvicorn's `receive` reports it at once to a watcher that starts after it). A streamed answer needs
 no watcher of ours: Starlette's StreamingResponse listens for the disconnect itself and closes the stream.
 """

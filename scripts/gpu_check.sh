@@ -66,7 +66,7 @@ set +e
   tests/test_gateway_default.py tests/test_adapter_modes.py tests/test_fleet.py tests/test_openai_conformance.py \
   2>&1 | tee "$OUT/tests.txt"
 tests=${PIPESTATUS[0]}
-"$VENV/bin/python" benchmarks/bench_one_pass.py --out "$OUT" 2>&1 | tail -8
+"$VENV/bin/python" benchmarks/scoring/bench_one_pass.py --out "$OUT" 2>&1 | tail -8
 bench=${PIPESTATUS[0]}
 set -e
 echo "== $(date -u +%F) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"

@@ -12,7 +12,7 @@ page cache idle for a minute (a DAMON `pageout` scheme, /sys/kernel/mm/damon/adm
 backs costs ~25x to touch (1 GB in ~10 s of kernel and steal time instead of 0.4 s), so how much memory is fast depends
 on what the machine has freed lately and on the host, not on MemTotal: 18.7 GB in use after a test-suite run (its page
 cache still held), 10.0 GB minutes after `echo 3 > /proc/sys/vm/drop_caches` had freed 20 GB. Every process slows while
-it lasts: a gateway's second promotion in benchmarks/bench_hot_swap.py, parts of the test suite.
+it lasts: a gateway's second promotion in benchmarks/engines/bench_hot_swap.py, parts of the test suite.
 """
 
 from __future__ import annotations

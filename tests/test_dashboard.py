@@ -43,7 +43,7 @@ RECORDED = REPO / "benchmarks" / "results" / "dashboard_run.json"
 
 
 def test_the_recorded_run_has_every_panel_of_the_dashboard_with_data():
-    """benchmarks/dashboard_run.py recorded the current panels (rerun it when a panel changes), each with a series."""
+    """benchmarks/load/dashboard_run.py recorded the current panels (rerun it when a panel changes), each with a series."""
     recorded = json.loads(RECORDED.read_text())
     assert [(p["row"], p["title"]) for p in recorded["panels"]] == [(s.row, s.title) for s in panels()]
     empty = [p["title"] for p in recorded["panels"] if not any(len(s["points"]) >= 2 for s in p["series"])]
@@ -51,7 +51,7 @@ def test_the_recorded_run_has_every_panel_of_the_dashboard_with_data():
 
 
 def test_the_png_is_drawn_from_the_recording(tmp_path):
-    from benchmarks.dashboard_run import draw
+    from benchmarks.load.dashboard_run import draw
 
     draw(json.loads(RECORDED.read_text()), tmp_path / "dashboard.png")
     assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

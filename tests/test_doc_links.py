@@ -1,6 +1,6 @@
-"""Every relative link and image in the README and docs/ resolves to a file of the repository, read from the page's
-own folder as a browser or a Markdown viewer does (links under docs/ were once written from the repository's root,
-and every image there was broken)."""
+"""Every relative link and image in the README, docs/ and benchmarks/README.md resolves to a file of the repository,
+read from the page's own folder as a browser or a Markdown viewer does (links under docs/ were once written from
+the repository's root, and every image there was broken)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 

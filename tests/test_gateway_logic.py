@@ -808,14 +808,14 @@ def test_blank_text_is_what_the_schemas_nonblank_pattern_refuses():
 
 
 def test_the_added_latency_benchmark_sends_the_gateways_exact_request_directly(tmp_path, embedded_model_dir):
-    """benchmarks/bench_added_latency.py compares the gateway with its own engine request sent directly (the
+    """benchmarks/gateway/bench_added_latency.py compares the gateway with its own engine request sent directly (the
     `text-prompt` variant): that request must be the one the gateway makes (it once was not: the benchmark sent token
     ids where the gateway sends the prompt's text)."""
     from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
     from adapters.clients.upstream import _payload
-    from benchmarks.bench_added_latency import MODEL, variants
+    from benchmarks.gateway.bench_added_latency import MODEL, variants
     from calm_core.artifact import ArtifactManifest
     from gateway.app import create_app
     from gateway.settings import GatewaySettings

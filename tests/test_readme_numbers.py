@@ -40,7 +40,7 @@ PATCHES = sorted((REPO / "benchmarks" / "patches").glob("*.patch"))
 
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.stem for p in PATCHES])
 def test_the_readmes_knockout_patches_still_apply(patch):
-    """The documented A/B numbers of the gateway's stages come from these patches (benchmarks/bench_ceiling_ab.py
+    """The documented A/B numbers of the gateway's stages come from these patches (benchmarks/gateway/bench_ceiling_ab.py
     --b-patch); one the code has moved away from could not measure them again."""
     check = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
     assert check.returncode == 0, f"{patch.name} no longer applies: {check.stderr}"

@@ -4,7 +4,7 @@ webhook, and `calm worker`).
 
 A trivia app's traffic shifts to PopQA's questions about people (whose father or mother, what genre, what occupation,
 where born), asked as chat: the shipped free-form mode (trained and calibrated on TriviaQA) is right on a few of them
-and more confident than it is right (offline, per relation: `python benchmarks/free_form_subsets.py --by-relation`:
+and more confident than it is right (offline, per relation: `python benchmarks/scoring/free_form_subsets.py --by-relation`:
 accuracy 0.04-0.06 at confidence 0.13-0.18; the relations it is right on more often, country, capital, sport,
 religion, it is *under*confident on, which no label-free job can mend: a mix with country was judged on labels that
 happened to be calibrated already, and its candidate was rightly rejected for an ECE 0.001 higher). The drift alert fires; the worker retrains the free-form mode with

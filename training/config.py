@@ -41,7 +41,7 @@ class TrainConfig(BaseModel):
     # the LoRA adapter, the α head, the optimizer state and the losses stay float32.
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Recompute each trained layer's activations in the backward pass instead of keeping them: pays where many layers
-    # are trained on long prompts (benchmarks/bench_training_memory.py measures what it saves).
+    # are trained on long prompts (benchmarks/loop/bench_training_memory.py measures what it saves).
     gradient_checkpointing: bool = False
 
     steps: int = Field(200, gt=0)

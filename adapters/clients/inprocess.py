@@ -115,7 +115,7 @@ class InProcessVLLMEngine:
         merged, in both adapter modes) with its own α head.
 
         Merged rather than vLLM's per-request LoRA on CPU: there vLLM's LoRA path runs as plain PyTorch ops over every
-        layer and made cloze scoring about 6x slower (benchmarks/bench_cloze_serving.py); merged weights cost nothing
+        layer and made cloze scoring about 6x slower (benchmarks/scoring/bench_cloze_serving.py); merged weights cost nothing
         per token. The price is a copy of the (small) weights and KV cache. On CUDA vLLM's LoRA kernels serve adapters
         without copies.
         """

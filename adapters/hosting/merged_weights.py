@@ -99,7 +99,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def copy_tokenizer(base_model_path: str | Path, out: Path) -> None:
     """The base model's tokenizer beside a copy of its weights, file by file. Not loaded and saved again: a load holds
     the GIL for most of a second (the Rust tokenizer is built under it), which stalled a serving gateway's event loop
-    while it prepared a promoted version (benchmarks/bench_hot_swap.py); the saved files were byte-identical anyway.
+    while it prepared a promoted version (benchmarks/engines/bench_hot_swap.py); the saved files were byte-identical anyway.
     A model whose tokenizer has none of these files is loaded and saved as before."""
     found = [Path(base_model_path) / name for name in TOKENIZER_FILES if (Path(base_model_path) / name).is_file()]
     if not any(f.name in ("tokenizer.json", "tokenizer_config.json") for f in found):

@@ -172,7 +172,7 @@ class EngineConfig:
             model=model_path or self.model_path,
             # Every engine of a process reads the tokenizer from the base model's folder (merged and folded copies hold
             # the same files): vLLM caches it by path, so an engine started for a promoted version loads none. A load
-            # holds the GIL for most of a second and stalled the gateway's requests (benchmarks/bench_hot_swap.py).
+            # holds the GIL for most of a second and stalled the gateway's requests (benchmarks/engines/bench_hot_swap.py).
             tokenizer=self.model_path,
             served_model_name=[self.served_model_name],
             max_model_len=self.max_model_len,

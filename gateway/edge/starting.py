@@ -54,7 +54,7 @@ class StartingApp:
         self.app = app
         # Everything built so far (the tokenizer, torch and vLLM's modules: millions of objects) lives as long as the
         # process: out of the collector's way, a full collection no longer walks it while requests are served
-        # (vLLM's server does the same after its start; benchmarks/bench_lean.py measured the ceiling with and without).
+        # (vLLM's server does the same after its start; benchmarks/gateway/bench_lean.py measured the ceiling with and without).
         gc.collect()
         gc.freeze()
         gc.set_threshold(YOUNG_GENERATION_THRESHOLD, *gc.get_threshold()[1:])

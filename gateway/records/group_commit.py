@@ -2,13 +2,13 @@
 
 A response is acknowledged only once its rows are stored (nothing acknowledged may be lost), so each request awaits a
 commit; one transaction per request, each with its own thread hop, was about a tenth of the gateway's busy time at its
-ceiling (benchmarks/bench_lean.py --profile). Here the first caller starts a writer; whatever arrives while a
+ceiling (benchmarks/gateway/bench_lean.py --profile). Here the first caller starts a writer; whatever arrives while a
 transaction is in progress goes into the next one, so a burst of N requests costs a few transactions, and a lone
 request still costs exactly one, with no added wait.
 
 A request alone in the gateway (concurrency 1) writes on the event loop instead, where SQLite's lock is free at once
 (`write_at_once`): nothing else waits on the loop then, and the hop to a thread and back cost more than the write and
-ran beside the request's next upstream call (benchmarks/bench_request_stages.py). That was measured with SQLite's
+ran beside the request's next upstream call (benchmarks/gateway/bench_request_stages.py). That was measured with SQLite's
 synchronous=NORMAL (no fsync per commit); since synchronous=FULL (calm_core/db.py: an acknowledged write survives a
 power loss) each commit also fsyncs the WAL, on the loop in this path, not measured yet. With company, a write on the
 loop would stall the others and end group commit.

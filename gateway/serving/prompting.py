@@ -49,7 +49,7 @@ def rendered(tokenizer, messages: list[dict[str, str]]) -> str:
 @lru_cache(maxsize=2048)
 def _rendered(tokenizer, messages: tuple[tuple[str, str], ...]) -> str:
     """The chat template's text for these messages, rendered once while they keep coming (a sandboxed Jinja render
-    was the largest share of the gateway's own work per short request, benchmarks/bench_lean.py --profile): repeated
+    was the largest share of the gateway's own work per short request, benchmarks/gateway/bench_lean.py --profile): repeated
     conversations (a fixed system prompt and question, retries, evaluation runs, probes) skip it. Bounded: at most
     2048 short conversations are kept, the least recently used dropped first."""
     return render_chat(tokenizer, [{"role": role, "content": content} for role, content in messages])

@@ -1,0 +1,116 @@
+"""`calm serve` (the default: embedded model, shipped artifact, 3 engines) started two ways side by side.
+
+`--compare executor`: vLLM's two CPU executors, "mp" (vLLM's CPU default: each engine core spawns a worker process
+that runs the model) and "uni" (the model runs in the engine-core process; our CPU default).
+`--compare start`: how the engine-core processes start (both "uni"), "spawn" (vLLM's CPU default: a fresh interpreter
+per engine) and "forkserver" (forked from one server that imported vLLM once; our CPU default).
+
+Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
+process tree had used by then, then seconds for 64 ARC-Easy multiple-choice questions at concurrency 8, the tree's
+memory (PSS) after them, and the option probabilities (both ways must give the same numbers).
+
+    python benchmarks/engines/bench_engine_start.py [--compare executor|start] [--rounds 2]
+        -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from calm_core.data import load_mc  # noqa: E402
+from tests.memory_budget import tree_cpu_s, tree_pss_gb  # noqa: E402
+from tests.servers import calm_argv, free_port, running  # noqa: E402
+
+# The ways compared: name -> the gateway's environment for it.
+WAYS = {"executor": {"mp": {"CALM_EXECUTOR": "mp"}, "uni": {"CALM_EXECUTOR": "uni"}},
+        "start": {"spawn": {"CALM_ENGINE_START": "spawn"}, "forkserver": {"CALM_ENGINE_START": "forkserver"}}}
+OUT = {"executor": "engine_start", "start": "engine_start_forkserver"}
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def ask(base: str, q) -> list[float]:
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+        "model": "calm-smollm2-135m", "messages": [{"role": "user", "content": q.question}],
+        "options": list(q.choices), "calm": {"raw_confidence": False}})
+    r.raise_for_status()
+    return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
+
+
+def one_run(way: str, env: dict, questions, work: Path) -> dict:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**env, "CALM_DB_PATH": str(work / f"{way}.sqlite3"), "OMP_NUM_THREADS": "1"}
+    t0 = time.monotonic()
+    with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{way}.log", env,
+                 timeout=600) as proc:
+        # User + system CPU of the gateway and its live processes (none of them has ended by then).
+        ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
+        ask(base, questions[0])  # the first request starts vLLM's output handlers
+        t1 = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            probabilities = list(pool.map(lambda q: ask(base, q), questions))
+        answered = time.monotonic() - t1
+        pss = tree_pss_gb(proc.pid)
+    return {"way": way, "ready_s": ready, "ready_cpu_s": ready_cpu, "questions_s": answered, "pss_gb": pss,
+            "probabilities": probabilities}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compare", choices=sorted(WAYS), default="executor")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    out = args.out or REPO / "benchmarks" / "results" / OUT[args.compare]
+    ways = WAYS[args.compare]
+    (a, b) = ways  # the default of vLLM's CPU platform, then ours
+    questions = load_mc("arc_easy", "test", root=SHARED_DATA)[:64]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for way, env in ways.items():
+                run = one_run(way, env, questions, Path(tmp))
+                print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
+                      f"64 questions in {run['questions_s']:.1f} s, {run['pss_gb']:.2f} GB", flush=True)
+                runs.append(run)
+    keys = ("ready_s", "ready_cpu_s", "questions_s", "pss_gb")
+    by = {w: [r for r in runs if r["way"] == w] for w in ways}
+    median = {w: {k: statistics.median(r[k] for r in by[w]) for k in keys} for w in ways}
+    diff = max(abs(x - y) for ra, rb in zip(by[a], by[b])
+               for pa, pb in zip(ra["probabilities"], rb["probabilities"]) for x, y in zip(pa, pb))
+    summary = {"compare": args.compare, "rounds": args.rounds, "median": median, "max_probability_difference": diff,
+               f"ready_ratio_{b}_over_{a}": median[b]["ready_s"] / median[a]["ready_s"],
+               f"ready_cpu_ratio_{b}_over_{a}": median[b]["ready_cpu_s"] / median[a]["ready_cpu_s"],
+               f"throughput_ratio_{b}_over_{a}": median[a]["questions_s"] / median[b]["questions_s"],
+               "runs": [{k: v for k, v in r.items() if k != "probabilities"} for r in runs]}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start"}[args.compare]
+    lines = [f"# {what} under `calm serve` (`python benchmarks/engines/bench_engine_start.py --compare {args.compare}`)", "",
+             f"The shipped gateway (3 engines), {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
+             "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree, launch to /health 200; memory: its "
+             "PSS after the questions.", "",
+             f"| {args.compare} | launch to /health 200 (s) | CPU by then (s) | 64 questions (s) | PSS (GB) |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {w} | {m['ready_s']:.1f} | {m['ready_cpu_s']:.1f} | {m['questions_s']:.1f} | {m['pss_gb']:.2f} |"
+              for w, m in median.items()]
+    lines += ["", f"Start-up {b} / {a}: {summary[f'ready_ratio_{b}_over_{a}']:.2f} (CPU "
+              f"{summary[f'ready_cpu_ratio_{b}_over_{a}']:.2f}); throughput {b} / {a}: "
+              f"{summary[f'throughput_ratio_{b}_over_{a}']:.2f}; largest option-probability difference: {diff:.1e}."]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
