@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 
 import typer
+from pydantic import ValidationError
+from sqlalchemy.exc import OperationalError
 
+from calm_core.artifact import read_manifest
+from calm_core.domains import checked_name, known_domains
+from calm_core.domains import served_domain as domain_rule
 from calm_core.errors import CalmError
+from calm_core.registry import GLOBAL, Registry
+from gateway.records.store import Store
+from gateway.settings import GatewaySettings
 
 
 def one_line_errors(fn):
@@ -32,11 +42,7 @@ def one_line_errors(fn):
 
 def _database_unreachable(error: Exception) -> str | None:
     """The driver's first line when `error` is SQLAlchemy failing to connect (a server down, a wrong host or
-    password), else None. SQLAlchemy is imported only once it raised, so `calm --help` stays instant."""
-    if not type(error).__module__.startswith("sqlalchemy"):
-        return None
-    from sqlalchemy.exc import OperationalError
-
+    password), else None."""
     if not isinstance(error, OperationalError):
         return None
     return str(error.orig or error).strip().splitlines()[0]
@@ -44,10 +50,6 @@ def _database_unreachable(error: Exception) -> str | None:
 
 def gateway_settings(**given):
     """The gateway's settings from CALM_* (and `given`), a wrong value refused in one line naming its variable."""
-    from pydantic import ValidationError
-
-    from gateway.settings import GatewaySettings
-
     try:
         return GatewaySettings(**given)
     except ValidationError as e:
@@ -57,8 +59,6 @@ def gateway_settings(**given):
 
 
 def open_store(settings=None):
-    from gateway.records.store import Store
-
     settings = settings or gateway_settings()
     warn_if_new_database(settings)
     return Store(settings.database)
@@ -68,9 +68,6 @@ def warn_if_new_database(settings) -> None:
     """The default database is relative to the folder the command runs in: `calm keys create` run from another folder
     once printed a key into a new database there, which the gateway (started elsewhere) never saw, then refused (401).
     A database about to be created where no setting named it is said on stderr before anything is stored."""
-    import os
-    import sys
-
     if settings.db_url or "CALM_DB_PATH" in os.environ or settings.db_path.exists():
         return
     print(f"warning: no gateway database at {settings.db_path.resolve()}; creating a new one. A gateway started in "
@@ -79,8 +76,6 @@ def warn_if_new_database(settings) -> None:
 
 
 def open_registry(settings=None):
-    from calm_core.registry import Registry
-
     settings = settings or gateway_settings()
     return Registry(open_store(settings), settings.registry_root, settings.registry_url)
 
@@ -90,11 +85,6 @@ def served_domain(domain: str, other: bool) -> str:
     (calm_core/domains.py): its default version's reference domains, CALM_DOMAINS and `other` where allowed. Before
     any gateway has registered its default version only the spelling can be checked. Anything else is stored but never
     applies."""
-    from calm_core.artifact import read_manifest
-    from calm_core.domains import checked_name, known_domains
-    from calm_core.domains import served_domain as domain_rule
-    from calm_core.registry import GLOBAL
-
     checked_name(domain)
     settings = gateway_settings()
     registry = open_registry(settings)
@@ -103,6 +93,12 @@ def served_domain(domain: str, other: bool) -> str:
         return domain
     references = read_manifest(registry.path_of(default)).get("reference_histograms") or {}
     return domain_rule(domain, known_domains(references, settings.domains), other=other)
+
+
+def known_status(status: str | None, statuses: tuple[str, ...]) -> None:
+    """A --status filter that names a status there is (a misspelt one would list nothing, as if there were none)."""
+    if status is not None and status not in statuses:
+        raise CalmError(f"--status {status!r}: a status is one of {', '.join(statuses)}")
 
 
 def echo_json(data) -> None:

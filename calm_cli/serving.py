@@ -1,17 +1,32 @@
-"""Composition of the gateway and the engine server from settings (kept out of `gateway`, which imports no engine)."""
+"""Composition from settings of the gateway, the engine server and offline scoring's engines (kept out of `gateway`,
+which imports no engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+from adapters.clients.inprocess import InProcessVLLMEngine, artifact_engine
+from adapters.clients.upstream import UpstreamVLLMEngine
+from adapters.hosting.allocator import tcmalloc_library, with_allocator
+from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
+from adapters.hosting.merged_weights import foldable, folded_model_dir, merged_model_dir
+from adapters.vllm_plugins.common import REGISTRY_ENV, RUNTIME_LORA_ENV, EngineConfig
+from calm_cli.common import gateway_settings
 from calm_core.artifact import load_artifact
 from calm_core.errors import CalmError
 from calm_core.hashing import vocab_sha256
 from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
 from calm_core.paths import BUNDLED_DIR
+from calm_core.registry import Registry
 from calm_core.startup import stage
+from gateway.app import create_app
+from gateway.records.store import Store
+from gateway.settings import EngineKind
 
 DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
 
@@ -19,7 +34,7 @@ DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-inst
 def default_artifact(model: ResolvedModel) -> Path:
     if model.id not in DEFAULT_ARTIFACTS:
         raise CalmError(f"no default alpha-head artifact for model {model.id!r}: set CALM_ARTIFACT (or --artifact); "
-                        "`calm artifact identity --out DIR --model ...` writes an uncalibrated one")
+                        "`calm artifacts identity --out DIR --model ...` writes an uncalibrated one")
     return DEFAULT_ARTIFACTS[model.id]
 
 
@@ -43,10 +58,6 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
     folded weights (one-pass option scoring, adapters/hosting/merged_weights.py), and an artifact with a free-form mode one
     more on that mode's merged weights with its own head."""
-    from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
-    from adapters.hosting.merged_weights import foldable, folded_model_dir, merged_model_dir
-    from adapters.vllm_plugins.common import EngineConfig
-
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
     adapter = artifact.adapter_dir
     engine = resolve(settings.engine_overrides())
@@ -71,12 +82,15 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
                         folded_model_path=folded, **free_form)
 
 
+def offline_engines(settings=None):
+    """The engine factory of offline scoring (`calm eval`, reports, the worker's judging): vLLM in process, with the
+    gateway's engine settings where set (CALM_KV_CACHE_MB, CALM_ENGINE_START, ...), read through its own settings."""
+    return partial(artifact_engine, overrides=(settings or gateway_settings()).engine_overrides())
+
+
 def serving_default(settings, configured: Path) -> Path:
     """The folder of the version the registry serves by default: the configured artifact the first time it is seen,
     else what promotions and rollbacks left active (they survive restarts)."""
-    from calm_core.registry import Registry
-    from gateway.records.store import Store
-
     store = Store(settings.database)
     try:
         registry = Registry(store, settings.registry_root, settings.registry_url)
@@ -87,9 +101,6 @@ def serving_default(settings, configured: Path) -> Path:
 
 def build_gateway(settings):
     """The FastAPI app for these settings, with its engine (in-process vLLM or upstream servers)."""
-    from gateway.app import create_app
-    from gateway.settings import EngineKind
-
     stage(f"preparing the model ({settings.model or 'the embedded default'})")
     model = resolve_model(settings.model, "float32")
     configured = Path(settings.artifact) if settings.artifact else default_artifact(model)
@@ -97,8 +108,6 @@ def build_gateway(settings):
     artifact_path = serving_default(settings, configured)
     tokenizer, artifact = load_checked(model, artifact_path)
     if settings.engine is EngineKind.INPROCESS:
-        from adapters.clients.inprocess import InProcessVLLMEngine
-
         engine = InProcessVLLMEngine(engine_config(settings, model, artifact_path, artifact, inprocess=True))
 
         def version_engine(path: Path, loaded):
@@ -113,8 +122,6 @@ def build_gateway(settings):
     async def load_version(version: str, path: Path):
         """Another registry version's engine (per-domain versions, hot swap), started off the event loop; upstream,
         loaded and checked on every engine of the fleet before any route switches to it."""
-        import asyncio
-
         def build():
             _, loaded = load_checked(model, path, tokenizer)  # refuse a mismatched or corrupt one before any engine
             return version_engine(path, loaded), loaded
@@ -135,8 +142,6 @@ def build_gateway(settings):
 
 def upstream_engine(settings, artifact):
     """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request."""
-    from adapters.clients.upstream import UpstreamVLLMEngine
-
     free_form = artifact.free_form if artifact.manifest.free_form_version is not None else None
     return UpstreamVLLMEngine(
         settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version, settings.max_model_len,
@@ -149,11 +154,6 @@ def upstream_engine(settings, artifact):
 def engine_server_command(settings, host: str, port: int) -> tuple[list[str], dict[str, str], str]:
     """argv and environment for a vLLM OpenAI server with the α-head logits processor configured, and a line saying
     which memory allocator it runs on."""
-    import sys
-
-    from adapters.hosting.allocator import tcmalloc_library, with_allocator
-    from adapters.vllm_plugins.common import REGISTRY_ENV, RUNTIME_LORA_ENV
-
     model = resolve_model(settings.model, "float32")
     artifact_path = Path(settings.artifact) if settings.artifact else default_artifact(model)
     _, artifact = load_checked(model, artifact_path)  # refuse a mismatch before a 30-second engine start

@@ -111,7 +111,7 @@ class ArtifactManifest(BaseModel):
     # None in manifests written before files were recorded (the registry records them on its copy).
     files: dict[str, str] | None = None
     # Free-form answers' semantic confidence: how samples are drawn and the map from agreement to probability (fitted
-    # by `calm artifact fit-semantic`; absent: the unfitted defaults).
+    # by `calm artifacts fit-semantic`; absent: the unfitted defaults).
     semantic: SemanticCalibration | None = None
     # Multiple-choice option scores are divided by this before their softmax: 1 unless the version was recalibrated on
     # a domain's labels (`recalibration` says from which parent, on what, and its held-out check).

@@ -7,7 +7,7 @@ the head flattens the distribution on purpose (the shipped free-form mode's d â‰
 from it are mostly noise that agrees with nothing, so every answer would score the same. Without the head, at 0.5, the
 model's samples are answers it would plausibly give, and how many of them say what the returned answer says ranks
 right answers above wrong ones (`benchmarks/scoring/bench_semantic_sampling.py` compares temperatures). That share is then mapped to a probability by the version's `SemanticCalibration`: a
-Platt map on the logit of the smoothed share, fitted once per version (`calm artifact fit-semantic`), either label-free (onto
+Platt map on the logit of the smoothed share, fitted once per version (`calm artifacts fit-semantic`), either label-free (onto
 the version's own calibrated token confidence of the same answers, the number CALM's head makes honest without
 labels) or on labelled questions where there are some.
 """

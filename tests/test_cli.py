@@ -53,7 +53,7 @@ def test_keys_jobs_and_promotions_for_a_domain_no_request_can_name_are_refused(t
 
 
 def test_an_artifact_made_outside_the_loop_is_registered_with_its_lineage_and_promoted(tmp_path, shipped_artifact):
-    """`calm artifact recalibrate` writes a folder; `calm artifacts add` is how it reaches the registry the gateways
+    """`calm artifacts recalibrate` writes a folder; `calm artifacts add` is how it reaches the registry the gateways
     follow (promote alone refused it: "no artifact version ... in the registry")."""
     import json as json_
 
@@ -74,6 +74,13 @@ def test_an_artifact_made_outside_the_loop_is_registered_with_its_lineage_and_pr
     assert f"{child}: registered (candidate, domain=science, parent={default})" in added.stdout
     assert f"calm artifacts promote {child} --domain science" in added.stdout
     record = json_.loads(run_calm("artifacts", "show", child, env=env).stdout)
+    folder = json_.loads(run_calm("artifacts", "show", str(tmp_path / "recalibrated"), env=env).stdout)
+    assert folder["artifact_version"] == child and folder["recalibration"]["parent"] == default
+    # `calm artifact`, the folder commands' group before the merge, is the same group under its old name, unlisted
+    assert json_.loads(run_calm("artifact", "show", child, env=env).stdout) == record
+    rows = run_calm("--help").stdout.splitlines()
+    listed = [row.split()[1] for row in rows if row.startswith("│ ") and row[2] != " "]  # a command's first line
+    assert "artifacts" in listed and "artifact" not in listed
     assert record["trigger"] == "import" and record["metrics"]["recalibration"]["ece_after"] == 0.048
     assert Path(record["path"]).parent == tmp_path / "registry"  # a copy: the folder it came from may go
     promoted = run_calm("artifacts", "add", str(tmp_path / "recalibrated"), "--promote", env=env)
@@ -145,8 +152,13 @@ def test_no_dataset_named():
 
 
 def test_missing_artifact(tmp_path):
-    proc = run_calm("artifact", "show", str(tmp_path / "none"))
-    assert_one_line_error(proc, "manifest.json is missing")
+    """`calm artifacts show` takes a folder or a registry version's name: a folder without a manifest is no artifact,
+    and what names neither is refused as neither."""
+    env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run_calm("artifacts", "show", str(tmp_path / "empty"), env=env), "manifest.json is missing")
+    assert_one_line_error(run_calm("artifacts", "show", str(tmp_path / "none"), env=env),
+                          "is neither an artifact folder nor a version in the registry")
 
 
 @pytest.mark.slow
@@ -171,7 +183,7 @@ def test_eval_refuses_to_score_an_artifact_in_another_format(tmp_path, embedded_
 
 @pytest.mark.slow
 def test_eval_writes_report_and_identity_head_changes_nothing(tmp_path, embedded_model_dir, shared_data):
-    assert run_calm("artifact", "identity", "--no-reference", "--out", str(tmp_path / "id")).returncode == 0
+    assert run_calm("artifacts", "identity", "--no-reference", "--out", str(tmp_path / "id")).returncode == 0
     base = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--out", str(tmp_path / "plain"))
     assert base.returncode == 0, base.stderr
     with_head = run_calm("eval", "-d", "arc_easy:dev", "--limit", "24", "--artifact", str(tmp_path / "id"),

@@ -5,6 +5,7 @@ project imports at the top of a file."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "adapters", "training", "calm_core")
+PACKAGES = ("gateway", "adapters", "training", "calm_core", "calm_cli")
 MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_CLI_FILE_LINES = 400, 60, 200
 # What each package may import from the project (besides itself): the layering of the README's Layout section.
 ALLOWED = {"calm_core": set(), "training": {"calm_core"}, "adapters": {"calm_core"}, "gateway": {"adapters", "calm_core"},
@@ -26,6 +27,9 @@ LAYERS = {
     "adapters": ["hosting", "vllm_plugins", "clients"],
 }
 GATEWAY_TOP_MODULES = 8
+# What `calm --help` must not load (seconds each): the CLI imports a project module that loads one of them inside the
+# command that runs it, and no other project module there.
+HEAVY = ("torch", "vllm", "peft", "transformers")
 
 
 def sources(packages=PACKAGES) -> dict[str, Path]:
@@ -50,7 +54,7 @@ def imports(path: Path) -> list[tuple[str, bool]]:
             found += [(f"{node.module}.{alias.name}", id(node) in local) for alias in node.names]
         elif isinstance(node, ast.Import):
             found += [(alias.name, id(node) in local) for alias in node.names]
-    return [(m, inside) for m, inside in found if m.split(".")[0] in PACKAGES + ("calm_cli",)]
+    return [(m, inside) for m, inside in found if m.split(".")[0] in PACKAGES]
 
 
 def resolver(modules: dict[str, Path]):
@@ -59,6 +63,48 @@ def resolver(modules: dict[str, Path]):
             target = target.rpartition(".")[0]
         return target or None
     return resolve
+
+
+@functools.cache
+def imports_on_load(path: Path) -> list[str]:
+    """Every module, the project's or not, that importing a file imports: its imports outside functions, except those
+    under TYPE_CHECKING, which never run."""
+    found = []
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.extend([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+            elif isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            visit([child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)])
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def heavy_imports(module: str, modules: dict[str, Path]) -> set[str]:
+    """The heavy packages importing a project module loads: those its top-level imports name, followed through the
+    project's modules (and the packages above each, whose __init__ runs first)."""
+    resolve, seen, heavy, todo = resolver(modules), set(), set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        parents = current.split(".")
+        todo += [p for i in range(1, len(parents)) if (p := ".".join(parents[:i])) in modules]
+        for name in imports_on_load(modules[current]):
+            if name.split(".")[0] in HEAVY:
+                heavy.add(name.split(".")[0])
+            elif name.split(".")[0] in PACKAGES and (target := resolve(name)):
+                todo.append(target)
+    return heavy
 
 
 def module_graph() -> dict[str, set[str]]:
@@ -135,17 +181,60 @@ def test_the_gateway_package_keeps_few_modules_at_its_top():
 @pytest.mark.parametrize("package", PACKAGES)
 def test_project_modules_are_imported_at_the_top_of_a_file(package):
     """An import inside a function is for a heavy optional dependency (transformers, peft, vLLM, ...), never to hide
-    a circle between the project's own modules."""
+    a circle between the project's own modules. The CLI's commands import the project modules that load torch, vLLM,
+    PEFT or transformers where they run, so that `calm --help` stays light; only those."""
+    modules = sources()
+    resolve = resolver(modules)
+
+    def lazy_for_a_reason(target: str) -> bool:
+        module = resolve(target)
+        return package == "calm_cli" and module is not None and bool(heavy_imports(module, modules))
+
     inside = [f"{module} imports {target} inside a function" for module, path in sources((package,)).items()
-              for target, local in imports(path) if local]
+              for target, local in imports(path) if local and not lazy_for_a_reason(target)]
     assert not inside, inside
+
+
+def test_the_heavy_closure_sees_through_the_project():
+    """The rule above stands on heavy_imports: the trainer loads torch (through training/ modules), the gateway's
+    settings load none of them."""
+    modules = sources()
+    assert "torch" in heavy_imports("training.trainer", modules)
+    assert "torch" in heavy_imports("training.retrain.worker", modules)
+    assert heavy_imports("gateway.settings", modules) == set() and heavy_imports("calm_core.registry", modules) == set()
+
+
+def test_calm_help_loads_no_heavy_package():
+    """`calm --help` and every group's and command's help, in a process of their own, import none of torch, vLLM,
+    PEFT, transformers: a CLI module that imported the trainer (say) at its top would take seconds to print a usage."""
+    code = """
+import sys
+from typer.main import get_command
+from typer.testing import CliRunner
+from calm_cli.main import app
+
+root, runner = get_command(app), CliRunner()
+calls = [[]]
+for name, command in root.commands.items():
+    calls.append([name])
+    calls += [[name, sub] for sub in getattr(command, "commands", {})]
+for argv in calls:
+    result = runner.invoke(app, [*argv, "--help"])
+    assert result.exit_code == 0, (argv, result.output)
+loaded = sorted({m.split(".")[0] for m in sys.modules} & set(sys.argv[1:]))
+assert not loaded, f"calm --help loaded {loaded}"
+print(len(calls))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, *HEAVY], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout.split()[-1]) > 30  # the groups' commands were reached, not the root's help alone
 
 
 def test_the_answer_format_has_one_spelling():
     """The answer format was a Literal in calm_core/prompts.py, an enum in calm_core/scorers/registry.py, a string
     check in the CLI, and `AnswerFormat` also named a training Protocol (64): one enum now, in calm_core."""
     defined, spelled = [], []
-    for name, path in sources(PACKAGES + ("calm_cli",)).items():
+    for name, path in sources().items():
         tree = ast.parse(path.read_text())
         defined += [f"{name}.{node.name}" for node in ast.walk(tree)
                     if isinstance(node, ast.ClassDef) and node.name.startswith("AnswerFormat")]
@@ -159,7 +248,7 @@ def test_the_domain_rule_has_one_spelling():
     """Which names a request's domain may take and which domains a gateway serves were written in the admin API's
     dependencies, the protocol and the CLI (64): calm_core/domains.py holds the pattern, `other` and the rule."""
     pattern, other, rule = [], [], []
-    for name, path in sources(PACKAGES + ("calm_cli",)).items():
+    for name, path in sources().items():
         tree = ast.parse(path.read_text())
         pattern += [name for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
                     and "[a-z0-9_\\-]" in node.value]

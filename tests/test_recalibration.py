@@ -249,7 +249,7 @@ def test_a_job_with_enough_labels_registers_promotes_a_recalibrated_version_and_
 def test_recalibrate_on_open_ended_labels_fits_the_free_form_modes_token_temperature(tmp_path, embedded_model_dir,
                                                                                      shipped_artifact):
     """A version whose free-form confidence was made over-confident (c ** (1 / 3)) and 90 TriviaQA labels: `calm
-    artifact recalibrate` generates the greedy answers as served (vLLM), fits the token temperature back towards 1,
+    artifacts recalibrate` generates the greedy answers as served (vLLM), fits the token temperature back towards 1,
     passes the held-out check and writes a version whose multiple-choice part is the parent's."""
     import json
     import subprocess
@@ -259,7 +259,7 @@ def test_recalibrate_on_open_ended_labels_fits_the_free_form_modes_token_tempera
 
     skewed = derive_version(shipped_artifact.path, tmp_path / "skewed", "test")
     update_manifest(tmp_path / "skewed" / FREE_FORM_DIR, token_temperature=3.0)
-    done = subprocess.run([sys.executable, "-m", "calm_cli", "artifact", "recalibrate", "--artifact",
+    done = subprocess.run([sys.executable, "-m", "calm_cli", "artifacts", "recalibrate", "--artifact",
                            str(tmp_path / "skewed"), "--labels", "triviaqa:sample@0.5-0.7", "--limit", "90",
                            "--domain", "trivia", "--out", str(tmp_path / "new")], capture_output=True, text=True,
                           timeout=900)

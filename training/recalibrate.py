@@ -1,4 +1,4 @@
-"""`calm artifact recalibrate`: a new version whose multiple-choice confidence is fitted to a domain's labels, in
+"""`calm artifacts recalibrate`: a new version whose multiple-choice confidence is fitted to a domain's labels, in
 seconds, without training (calm_core/recalibration.py says why a temperature on the option scores). On open-ended
 labels (questions with `answers` aliases) the same for the free-form mode: a temperature on the answer's token
 log-probs (its token confidence c served as c ** (1 / T)), the greedy answers generated as the gateway serves them.

@@ -1,4 +1,4 @@
-"""`calm artifact fit-semantic`: fit a free-form mode's semantic-confidence map and write it into its manifest.
+"""`calm artifacts fit-semantic`: fit a free-form mode's semantic-confidence map and write it into its manifest.
 
 The questions are answered as the gateway serves them (greedy answer, token confidence, and the share of `samples`
 answers sampled without the head that agree with it; training/free_form_eval.py). The map is a Platt map on the logit of

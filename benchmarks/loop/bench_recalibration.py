@@ -4,7 +4,7 @@
 
 Every ARC-Easy test question is scored once as the shipped version serves it (offline engine, the gateway's scorers;
 cached in recalibration_scores.npz). Then, for each of 200 random splits: 300 questions are the uploaded labels, and as
-`calm artifact recalibrate` does, a temperature is fitted on 2/3 of them and checked on the other 1/3; the remaining
+`calm artifacts recalibrate` does, a temperature is fitted on 2/3 of them and checked on the other 1/3; the remaining
 2,076 questions are the domain's later traffic, on which accuracy, mean confidence, ECE-10 and AUROC are measured
 before and after, and the label-free target-risk threshold (α = 0.45, from the reference histogram of the labelled
 questions' recalibrated confidences, as the new version's manifest carries it) is applied: its coverage and the error

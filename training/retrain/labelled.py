@@ -1,5 +1,5 @@
 """A retraining job's labelled path. CALM's upper level maximises entropy, so label-free retraining can only lower
-confidence; where a domain has enough labels, a job instead fits the post-hoc maps of `calm artifact recalibrate`
+confidence; where a domain has enough labels, a job instead fits the post-hoc maps of `calm artifacts recalibrate`
 (in seconds, no training), which move confidence either way: a temperature on the option scores for multiple choice,
 on the answer's token log-probs for free form. A mode's labels are the questions operators uploaded for it and the
 serving version's answers in it that feedback judged. Each mode with enough labels gets its map; each map's held-out

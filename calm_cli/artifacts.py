@@ -1,5 +1,6 @@
-"""`calm artifacts` and `calm jobs`: the artifact registry (register, promote, roll back) and the retraining jobs, in
-the gateway's database; running gateways follow within their registry poll."""
+"""`calm artifacts`: alpha-head artifacts, as folders (written by the commands of artifact_folders.py, shown) and as
+the registry's versions in the gateway's database (add, list, show, promote, roll back; running gateways follow within
+their registry poll). One group: `calm artifact`, the folders' group before the two were merged, is its hidden alias."""
 
 from __future__ import annotations
 
@@ -8,30 +9,41 @@ from typing import Annotated, Optional
 
 import typer
 
-from calm_cli.common import echo_json, one_line_errors, open_registry, open_store, served_domain
+from calm_cli import artifact_folders
+from calm_cli.common import echo_json, known_status, one_line_errors, open_registry, served_domain
+from calm_core.artifact import load_artifact, read_manifest
 from calm_core.errors import CalmError
+from calm_core.registry import GLOBAL, STATUSES
 
-artifacts_app = typer.Typer(help="The artifact registry: versions (add one made outside the loop), which serves which "
-                            "domain, promotion and rollback (the gateway's database; running gateways switch within "
-                            "seconds).", no_args_is_help=True)
-jobs_app = typer.Typer(help="Retraining jobs (queued by drift alerts or operators, run by `calm worker`).",
-                       no_args_is_help=True)
-
-
-def _known(status: str | None, statuses: tuple[str, ...]) -> None:
-    """A --status filter that names a status there is (a misspelt one would list nothing, as if there were none)."""
-    if status is not None and status not in statuses:
-        raise CalmError(f"--status {status!r}: a status is one of {', '.join(statuses)}")
+app = typer.Typer(help="Alpha-head artifacts: write one (identity, attach-free-form, fit-semantic, recalibrate), show "
+                  "one, and the registry's versions: add one made outside the loop, which serves which domain, "
+                  "promotion and rollback (the gateway's database; running gateways switch within seconds). "
+                  "`calm artifact` is its old name.", no_args_is_help=True)
+for name, command in (("identity", artifact_folders.identity), ("attach-free-form", artifact_folders.attach_free_form),
+                      ("fit-semantic", artifact_folders.fit_semantic), ("recalibrate", artifact_folders.recalibrate)):
+    app.command(name)(command)
 
 
-@artifacts_app.command("list")
+@app.command("show")
+@one_line_errors
+def show(target: Annotated[str, typer.Argument(help="an artifact folder, or a version in the registry")]):
+    """An artifact folder: verified, its manifest printed. A registry version: lineage, metrics (the gate's inputs and
+    decision for retrained ones), folder."""
+    if Path(target).is_dir():
+        typer.echo(load_artifact(Path(target)).manifest.model_dump_json(indent=2))
+        return
+    record = open_registry().get(target)
+    if record is None:
+        raise CalmError(f"{target!r} is neither an artifact folder nor a version in the registry")
+    echo_json(record.as_dict())
+
+
+@app.command("list")
 @one_line_errors
 def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions trained for this domain")] = None,
                    status: Annotated[Optional[str], typer.Option(help="candidate | active | rejected | retired")] = None):
     """Every version, newest first: status, the domains it serves, its domain, parent and trigger."""
-    from calm_core.registry import STATUSES
-
-    _known(status, STATUSES)
+    known_status(status, STATUSES)
     registry = open_registry()
     for r in registry.list(domain, status):
         serves = ",".join(r.active_for) or "-"
@@ -40,21 +52,9 @@ def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions 
     typer.echo("active: " + ", ".join(f"{d}={v}" for d, v in sorted(registry.active().items())))
 
 
-@artifacts_app.command("show")
-@one_line_errors
-def artifacts_show(version: str):
-    """One version: lineage, metrics (the gate's inputs and decision for retrained ones), folder."""
-    record = open_registry().get(version)
-    if record is None:
-        raise CalmError(f"no artifact version {version!r} in the registry")
-    echo_json(record.as_dict())
-
-
 def _same_base(manifest, default_dir: Path) -> None:
     """Refuse a version for other weights or another tokenizer than the default the gateways serve: its adapter and
     head would be applied to a model they were not trained on."""
-    from calm_core.artifact import read_manifest
-
     default = read_manifest(default_dir)
     base, tokenizer = default["base_model"], default["tokenizer"]
     if (manifest.base_model.weights_sha256, manifest.tokenizer.sha256) != (base["weights_sha256"], tokenizer["sha256"]):
@@ -63,19 +63,16 @@ def _same_base(manifest, default_dir: Path) -> None:
                         f"({base['weights_sha256'][:16]}…)")
 
 
-@artifacts_app.command("add")
+@app.command("add")
 @one_line_errors
 def artifacts_add(
-    folder: Annotated[Path, typer.Argument(help="an artifact folder (`calm train`, `calm artifact recalibrate`)")],
+    folder: Annotated[Path, typer.Argument(help="an artifact folder (`calm train`, `calm artifacts recalibrate`)")],
     domain: Annotated[Optional[str], typer.Option(
         help="the domain it is for (default: the one it was recalibrated for; none: any)")] = None,
     promote: Annotated[bool, typer.Option(help="make it serve its domain (or the default, without one) at once")] = False,
 ):
     """Register an artifact made outside the loop as a candidate version: verified, copied into the registry, its
     lineage recorded (a recalibrated version's parent and held-out check); promote it here or with `promote`."""
-    from calm_core.artifact import load_artifact
-    from calm_core.registry import GLOBAL
-
     manifest = load_artifact(folder).manifest
     lineage = manifest.recalibration
     domain = None if domain == GLOBAL else domain or (lineage.domain if lineage else None)
@@ -97,7 +94,7 @@ def artifacts_add(
         typer.echo(f"serve it: calm artifacts promote {record.version} --domain {record.domain or '*'}")
 
 
-@artifacts_app.command("promote")
+@app.command("promote")
 @one_line_errors
 def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="the domain it serves; * = the default")] = "*"):
     """Make a version serve a domain (a candidate left for the operator, or any earlier one)."""
@@ -107,49 +104,9 @@ def artifacts_promote(version: str, domain: Annotated[str, typer.Option(help="th
     typer.echo(f"{domain}: {version} (was {previous or 'the default'})")
 
 
-@artifacts_app.command("rollback")
+@app.command("rollback")
 @one_line_errors
 def artifacts_rollback(domain: Annotated[str, typer.Option(help="the domain to roll back; * = the default")] = "*"):
     """Return a domain to the version it had before (a domain's own version rolls back to the default)."""
     version = open_registry().rollback(domain, actor="cli")  # RegistryError is a CalmError: one line
     typer.echo(f"{domain}: {version or 'the default'}")
-
-
-@jobs_app.command("list")
-@one_line_errors
-def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
-              status: Annotated[Optional[str], typer.Option()] = None):
-    """Jobs, newest first: status, progress, trigger, candidate."""
-    from calm_core.jobs import FINISHED, OPEN, JobQueue
-
-    _known(status, OPEN + FINISHED)
-    for j in JobQueue(open_store()).list(domain, status):
-        typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "
-                   f"attempts={j.attempts}  candidate={j.candidate or '-'}")
-
-
-@jobs_app.command("show")
-@one_line_errors
-def jobs_show(job_id: str):
-    """One job with its log and result (the gate's decision and the numbers behind it)."""
-    from calm_core.jobs import JobQueue
-
-    job = JobQueue(open_store()).get(job_id)
-    if job is None:
-        raise CalmError(f"no job {job_id!r}")
-    echo_json(job.as_dict())
-
-
-@jobs_app.command("create")
-@one_line_errors
-def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
-        help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
-    """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
-    from calm_core.jobs import JobQueue
-    from training.retrain.labelled import METHODS
-
-    if method is not None and method not in METHODS:
-        raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
-    served_domain(domain, other=False)
-    job, created = JobQueue(open_store()).enqueue(domain, "operator", {"by": "cli", **({"method": method} if method else {})})
-    typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
