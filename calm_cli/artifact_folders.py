@@ -10,8 +10,6 @@ from typing import Annotated, Optional
 import typer
 
 from calm_cli.common import one_line_errors
-from calm_cli.serving import offline_engines
-from calm_core.artifact import attach_free_form as attach
 from training.dataset_spec import DatasetSpec
 
 
@@ -35,6 +33,8 @@ def attach_free_form(
     out: Annotated[Path, typer.Option(help="where to write the combined artifact")],
 ):
     """One artifact for every request: the multiple-choice artifact with the free-form one inside (a new version)."""
+    from calm_core.artifact import attach_free_form as attach
+
     manifest = attach(multiple_choice, free_form, out)
     typer.echo(f"{out}: {manifest.artifact_version} (free form: {manifest.free_form_version})")
 
@@ -51,6 +51,8 @@ def fit_semantic(
 ):
     """Fit the free-form mode's semantic-confidence map (agreement share -> probability), label-free by default, and
     write it into the mode's manifest (as metrics and reference histograms are written after export)."""
+    from calm_cli.serving import offline_engines
+
     from training.semantic_fit import SemanticFitConfig, run_semantic_fit  # torch
 
     s = run_semantic_fit(offline_engines(), SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
@@ -76,6 +78,8 @@ def recalibrate(
     """Fit a temperature on the version's option scores (multiple-choice labels) or on its free-form answers' token
     log-probs (open-ended labels) to a domain's labels (no training) and, if it passes its held-out check (ECE falls,
     AUROC does not), write it as a new version (register and promote it with `calm artifacts`)."""
+    from calm_cli.serving import offline_engines
+
     from training.recalibrate import RecalibrateConfig, run_recalibrate, run_recalibrate_free_form  # torch
 
     cfg = RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None, held_out, seed)

@@ -11,9 +11,7 @@ import typer
 
 from calm_cli import artifact_folders
 from calm_cli.common import echo_json, known_status, one_line_errors, open_registry, served_domain
-from calm_core.artifact import load_artifact, read_manifest
 from calm_core.errors import CalmError
-from calm_core.registry import GLOBAL, STATUSES
 
 app = typer.Typer(help="Alpha-head artifacts: write one (identity, attach-free-form, fit-semantic, recalibrate), show "
                   "one, and the registry's versions: add one made outside the loop, which serves which domain, "
@@ -29,6 +27,8 @@ for name, command in (("identity", artifact_folders.identity), ("attach-free-for
 def show(target: Annotated[str, typer.Argument(help="an artifact folder, or a version in the registry")]):
     """An artifact folder: verified, its manifest printed. A registry version: lineage, metrics (the gate's inputs and
     decision for retrained ones), folder."""
+    from calm_core.artifact import load_artifact
+
     if Path(target).is_dir():
         typer.echo(load_artifact(Path(target)).manifest.model_dump_json(indent=2))
         return
@@ -43,6 +43,8 @@ def show(target: Annotated[str, typer.Argument(help="an artifact folder, or a ve
 def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions trained for this domain")] = None,
                    status: Annotated[Optional[str], typer.Option(help="candidate | active | rejected | retired")] = None):
     """Every version, newest first: status, the domains it serves, its domain, parent and trigger."""
+    from calm_core.registry import STATUSES
+
     known_status(status, STATUSES)
     registry = open_registry()
     for r in registry.list(domain, status):
@@ -55,6 +57,8 @@ def artifacts_list(domain: Annotated[Optional[str], typer.Option(help="versions 
 def _same_base(manifest, default_dir: Path) -> None:
     """Refuse a version for other weights or another tokenizer than the default the gateways serve: its adapter and
     head would be applied to a model they were not trained on."""
+    from calm_core.artifact import read_manifest
+
     default = read_manifest(default_dir)
     base, tokenizer = default["base_model"], default["tokenizer"]
     if (manifest.base_model.weights_sha256, manifest.tokenizer.sha256) != (base["weights_sha256"], tokenizer["sha256"]):
@@ -73,6 +77,10 @@ def artifacts_add(
 ):
     """Register an artifact made outside the loop as a candidate version: verified, copied into the registry, its
     lineage recorded (a recalibrated version's parent and held-out check); promote it here or with `promote`."""
+    from calm_core.artifact import load_artifact
+
+    from calm_core.registry import GLOBAL
+
     manifest = load_artifact(folder).manifest
     lineage = manifest.recalibration
     domain = None if domain == GLOBAL else domain or (lineage.domain if lineage else None)

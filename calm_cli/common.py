@@ -10,15 +10,10 @@ import sys
 
 import typer
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
 
-from calm_core.artifact import read_manifest
 from calm_core.domains import checked_name, known_domains
 from calm_core.domains import served_domain as domain_rule
 from calm_core.errors import CalmError
-from calm_core.registry import GLOBAL, Registry
-from gateway.records.store import Store
-from gateway.settings import GatewaySettings
 
 
 def one_line_errors(fn):
@@ -43,6 +38,8 @@ def one_line_errors(fn):
 def _database_unreachable(error: Exception) -> str | None:
     """The driver's first line when `error` is SQLAlchemy failing to connect (a server down, a wrong host or
     password), else None."""
+    from sqlalchemy.exc import OperationalError
+
     if not isinstance(error, OperationalError):
         return None
     return str(error.orig or error).strip().splitlines()[0]
@@ -50,6 +47,8 @@ def _database_unreachable(error: Exception) -> str | None:
 
 def gateway_settings(**given):
     """The gateway's settings from CALM_* (and `given`), a wrong value refused in one line naming its variable."""
+    from gateway.settings import GatewaySettings
+
     try:
         return GatewaySettings(**given)
     except ValidationError as e:
@@ -59,6 +58,8 @@ def gateway_settings(**given):
 
 
 def open_store(settings=None):
+    from gateway.records.store import Store
+
     settings = settings or gateway_settings()
     warn_if_new_database(settings)
     return Store(settings.database)
@@ -76,6 +77,8 @@ def warn_if_new_database(settings) -> None:
 
 
 def open_registry(settings=None):
+    from calm_core.registry import Registry
+
     settings = settings or gateway_settings()
     return Registry(open_store(settings), settings.registry_root, settings.registry_url)
 
@@ -85,6 +88,10 @@ def served_domain(domain: str, other: bool) -> str:
     (calm_core/domains.py): its default version's reference domains, CALM_DOMAINS and `other` where allowed. Before
     any gateway has registered its default version only the spelling can be checked. Anything else is stored but never
     applies."""
+    from calm_core.artifact import read_manifest
+
+    from calm_core.registry import GLOBAL
+
     checked_name(domain)
     settings = gateway_settings()
     registry = open_registry(settings)

@@ -9,7 +9,6 @@ from typing import Annotated, Optional
 import typer
 
 from calm_cli.common import one_line_errors
-from calm_cli.serving import offline_engines
 from calm_core.data import MC_DATASETS
 from calm_core.errors import CalmError
 from calm_core.prompts import AnswerFormat
@@ -63,6 +62,8 @@ def eval_cmd(
     """Score multiple-choice sets offline (a model, or an artifact as served) or through a live gateway; write
     report.json, report.md, reliability.png and each question's option probabilities. Open-ended sets (triviaqa,
     popqa; 'triviaqa:sample@0.7-0.8' for a range) are answered by the artifact's free-form mode through vLLM."""
+    from calm_cli.serving import offline_engines
+
     specs = _dataset_specs(list(dataset) + (list(MC_DATASETS) if all_mc else []), answer_format, not gateway, domain,
                            artifact)
     if any(s.open_ended for s in specs) and not gateway:

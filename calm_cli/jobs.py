@@ -9,7 +9,6 @@ import typer
 
 from calm_cli.common import echo_json, known_status, one_line_errors, open_store, served_domain
 from calm_core.errors import CalmError
-from calm_core.jobs import FINISHED, OPEN, JobQueue
 
 app = typer.Typer(help="Retraining jobs (queued by drift alerts or operators, run by `calm worker`).",
                   no_args_is_help=True)
@@ -20,6 +19,8 @@ app = typer.Typer(help="Retraining jobs (queued by drift alerts or operators, ru
 def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
               status: Annotated[Optional[str], typer.Option()] = None):
     """Jobs, newest first: status, progress, trigger, candidate."""
+    from calm_core.jobs import FINISHED, JobQueue, OPEN
+
     known_status(status, OPEN + FINISHED)
     for j in JobQueue(open_store()).list(domain, status):
         typer.echo(f"{j.id}  {j.status:17s}  {j.progress:4.0%}  domain={j.domain}  trigger={j.trigger}  "
@@ -30,6 +31,8 @@ def jobs_list(domain: Annotated[Optional[str], typer.Option()] = None,
 @one_line_errors
 def jobs_show(job_id: str):
     """One job with its log and result (the gate's decision and the numbers behind it)."""
+    from calm_core.jobs import JobQueue
+
     job = JobQueue(open_store()).get(job_id)
     if job is None:
         raise CalmError(f"no job {job_id!r}")
@@ -41,6 +44,8 @@ def jobs_show(job_id: str):
 def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
         help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
     """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
+    from calm_core.jobs import JobQueue
+
     from training.retrain.labelled import METHODS  # torch, through the retraining worker's modules
 
     if method is not None and method not in METHODS:

@@ -8,7 +8,6 @@ import typer
 
 from calm_cli.common import one_line_errors, open_store, served_domain
 from calm_core.errors import CalmError
-from gateway.edge.keys import issue_key
 
 app = typer.Typer(help="Client API keys for /v1/* (in the gateway's database, CALM_DB_PATH).", no_args_is_help=True)
 
@@ -24,6 +23,8 @@ def keys_create(
         "--sequences-per-minute", help="engine sequences per minute over every replica; unlimited if unset")] = None,
 ):
     """Create a key and print it once (only its hash is stored). Running gateways see it within seconds."""
+    from gateway.edge.keys import issue_key
+
     if rate is not None and rate <= 0:
         raise typer.BadParameter("--rate must be positive")
     if sequences is not None and sequences <= 0:

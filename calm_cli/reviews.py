@@ -11,7 +11,6 @@ import typer
 
 from calm_cli.common import one_line_errors, open_store
 from calm_core.errors import CalmError
-from gateway.records.handoff_store import HandoffStore
 
 app = typer.Typer(help="The review queue of review policies (in the gateway's database, CALM_DB_PATH).",
                   no_args_is_help=True)
@@ -27,6 +26,8 @@ def reviews_list(
     """Reviews, oldest first, one JSON line each: id, domain, when it was queued and how long it waited (so far, if
     open), the withheld answer (a multiple-choice letter with its option's text) and its confidence, the request, and
     the verdict once closed. Close one with POST /admin/reviews/{id} on a gateway."""
+    from gateway.records.handoff_store import HandoffStore
+
     if status not in ("open", "closed", "all"):
         raise CalmError("--status must be open, closed or all")
     for review in HandoffStore(open_store()).reviews(status, domain, limit):

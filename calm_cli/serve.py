@@ -12,12 +12,9 @@ import typer
 import uvicorn
 
 from calm_cli.common import gateway_settings, one_line_errors
-from calm_cli.serving import build_gateway, engine_server_command, offline_engines
-from calm_core.db import Database
 from calm_core.errors import CalmError
 from calm_core.startup import StartupLog, stage
 from gateway.edge.http_server import server_config
-from gateway.edge.starting import StartingApp
 
 commands = typer.Typer()
 
@@ -30,6 +27,10 @@ def serve(
     artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact; default: the model's shipped one")] = None,
 ):
     """Run the gateway: OpenAI-compatible API with calibrated confidence (settings from CALM_* variables)."""
+    from calm_cli.serving import build_gateway
+
+    from gateway.edge.starting import StartingApp
+
     progress = StartupLog().install()
     given = {"host": host, "port": port, "artifact": str(artifact) if artifact else None}
     settings = gateway_settings(**{k: v for k, v in given.items() if v is not None})
@@ -59,6 +60,8 @@ def engine(
     artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact; default: the model's shipped one")] = None,
 ):
     """Start a vLLM OpenAI server with the α-head logits processor, for gateways with CALM_ENGINE=upstream."""
+    from calm_cli.serving import engine_server_command
+
     settings = gateway_settings(**({"artifact": str(artifact)} if artifact else {}))
     argv, env, allocator = engine_server_command(settings, host, port)
     typer.echo(allocator)
@@ -79,6 +82,10 @@ def worker(
     """Run retraining jobs: CALM on a drifting domain's captured prompts, the gate, promotion (another process than
     the gateway; several workers may share one database)."""
     # torch, through the trainer the worker runs and the gate's scoring
+    from calm_cli.serving import offline_engines
+
+    from calm_core.db import Database
+
     from training.retrain.gate import load_loop_config
     from training.retrain.worker import Worker
 

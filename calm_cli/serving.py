@@ -11,7 +11,6 @@ from functools import partial
 from pathlib import Path
 
 from adapters.clients.inprocess import InProcessVLLMEngine, artifact_engine
-from adapters.clients.upstream import UpstreamVLLMEngine
 from adapters.hosting.allocator import tcmalloc_library, with_allocator
 from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, resolve
 from adapters.hosting.merged_weights import foldable, folded_model_dir, merged_model_dir
@@ -22,10 +21,7 @@ from calm_core.errors import CalmError
 from calm_core.hashing import vocab_sha256
 from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
 from calm_core.paths import BUNDLED_DIR
-from calm_core.registry import Registry
 from calm_core.startup import stage
-from gateway.app import create_app
-from gateway.records.store import Store
 from gateway.settings import EngineKind
 
 DEFAULT_ARTIFACTS = {EMBEDDED_ID: BUNDLED_DIR / "artifacts" / "smollm2-135m-instruct"}
@@ -91,6 +87,9 @@ def offline_engines(settings=None):
 def serving_default(settings, configured: Path) -> Path:
     """The folder of the version the registry serves by default: the configured artifact the first time it is seen,
     else what promotions and rollbacks left active (they survive restarts)."""
+    from calm_core.registry import Registry
+    from gateway.records.store import Store
+
     store = Store(settings.database)
     try:
         registry = Registry(store, settings.registry_root, settings.registry_url)
@@ -101,6 +100,8 @@ def serving_default(settings, configured: Path) -> Path:
 
 def build_gateway(settings):
     """The FastAPI app for these settings, with its engine (in-process vLLM or upstream servers)."""
+    from gateway.app import create_app
+
     stage(f"preparing the model ({settings.model or 'the embedded default'})")
     model = resolve_model(settings.model, "float32")
     configured = Path(settings.artifact) if settings.artifact else default_artifact(model)
@@ -142,6 +143,8 @@ def build_gateway(settings):
 
 def upstream_engine(settings, artifact):
     """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request."""
+    from adapters.clients.upstream import UpstreamVLLMEngine
+
     free_form = artifact.free_form if artifact.manifest.free_form_version is not None else None
     return UpstreamVLLMEngine(
         settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version, settings.max_model_len,

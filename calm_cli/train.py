@@ -12,7 +12,6 @@ from rich.table import Table
 
 from adapters.hosting.cpu_limits import process_threads
 from calm_cli.common import one_line_errors
-from calm_cli.serving import offline_engines
 from calm_core.models import prepare_embedded, read_model_manifest
 from calm_core.splits import ROLES, load_split, materialize
 from training.config import load_config
@@ -34,6 +33,8 @@ def train_cmd(
     merged: Annotated[bool, typer.Option(help="also write base+LoRA merged weights (out_dir/merged)")] = False,
 ):
     """Train CALM (or a baseline) with LoRA on the top layers; write the artifact to out_dir/artifact."""
+    from calm_cli.serving import offline_engines
+
     import torch
 
     from training.trainer import Trainer  # torch
@@ -79,6 +80,8 @@ def report_cmd(
 ):
     """Run every method (CALM, ablations, baselines) on the declared split(s); write report.json/.md and plots.
     open-ended: PopQA -> TriviaQA and TriviaQA -> PopQA, free-form answers evaluated as served."""
+    from calm_cli.serving import offline_engines
+
     import torch
 
     if task not in ("multiple-choice", "open-ended"):
