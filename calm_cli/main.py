@@ -2,8 +2,9 @@
 (as vLLM's entrypoints/cli/main.py registers its subcommands' modules).
 
 A user error (CalmError) is one line on stderr and exit status 2, no traceback (common.one_line_errors). Commands
-import torch, vLLM, PEFT and transformers (through training/ and the engines) inside their functions, where they run,
-so that `calm --help` loads none of them; every other import is at the top of a file (tests/test_layout.py)."""
+import the project modules that load a heavy package (torch, vLLM, PEFT, transformers, FastAPI, SciPy, SQLAlchemy,
+aiohttp, numpy, httpx: tests/test_layout.py's HEAVY) inside their functions, where they run, so that `calm --help`
+loads none of them; every other import is at the top of a file."""
 
 from __future__ import annotations
 
