@@ -174,6 +174,33 @@ def test_a_packages_parts_import_only_the_parts_below_them(package):
     assert not up, up
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_packages_parts_make_no_circle(package):
+    """Where no layers are written down (training/ with its retrain/ worker, calm_core/ with its scorers/, calm_cli/),
+    a package's parts (its subpackages and top modules) still import each other one way only."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in module_graph().items():
+        if module.startswith(package + ".") and part(module):
+            graph.setdefault(part(module), set()).update(
+                part(t) for t in targets if t.startswith(package + ".") and part(t) and part(t) != part(module))
+    state: dict[str, int] = {}
+    circles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, circles
+
+
 def test_the_gateway_package_keeps_few_modules_at_its_top():
     top = sorted(p.stem for p in (ROOT / "gateway").glob("*.py") if p.stem != "__init__")
     assert len(top) <= GATEWAY_TOP_MODULES, top
