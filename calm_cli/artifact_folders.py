@@ -10,7 +10,6 @@ from typing import Annotated, Optional
 import typer
 
 from calm_cli.common import one_line_errors
-from training.dataset_spec import DatasetSpec
 
 
 @one_line_errors
@@ -52,7 +51,7 @@ def fit_semantic(
     """Fit the free-form mode's semantic-confidence map (agreement share -> probability), label-free by default, and
     write it into the mode's manifest (as metrics and reference histograms are written after export)."""
     from calm_cli.serving import offline_engines
-
+    from training.dataset_spec import DatasetSpec
     from training.semantic_fit import SemanticFitConfig, run_semantic_fit  # torch
 
     s = run_semantic_fit(offline_engines(), SemanticFitConfig(str(artifact), DatasetSpec.parse(dataset), limit or None,
@@ -79,7 +78,7 @@ def recalibrate(
     log-probs (open-ended labels) to a domain's labels (no training) and, if it passes its held-out check (ECE falls,
     AUROC does not), write it as a new version (register and promote it with `calm artifacts`)."""
     from calm_cli.serving import offline_engines
-
+    from training.dataset_spec import DatasetSpec
     from training.recalibrate import RecalibrateConfig, run_recalibrate, run_recalibrate_free_form  # torch
 
     cfg = RecalibrateConfig(str(artifact), DatasetSpec.parse(labels), domain, str(out), limit or None, held_out, seed)

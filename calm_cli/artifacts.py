@@ -29,8 +29,10 @@ def show(target: Annotated[str, typer.Argument(help="an artifact folder, or a ve
     decision for retrained ones), folder."""
     from calm_core.artifact import load_artifact
 
-    if Path(target).is_dir():
-        typer.echo(load_artifact(Path(target)).manifest.model_dump_json(indent=2))
+    # A version's name has no path separator: anything that has one, or names something on disk, is a folder (a
+    # mistyped folder is reported as one, without opening, or creating, the gateway's database).
+    if Path(target).exists() or "/" in target or target.startswith(("~", ".")):
+        typer.echo(load_artifact(Path(target).expanduser()).manifest.model_dump_json(indent=2))
         return
     record = open_registry().get(target)
     if record is None:
@@ -78,7 +80,6 @@ def artifacts_add(
     """Register an artifact made outside the loop as a candidate version: verified, copied into the registry, its
     lineage recorded (a recalibrated version's parent and held-out check); promote it here or with `promote`."""
     from calm_core.artifact import load_artifact
-
     from calm_core.registry import GLOBAL
 
     manifest = load_artifact(folder).manifest

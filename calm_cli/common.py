@@ -9,7 +9,6 @@ import os
 import sys
 
 import typer
-from pydantic import ValidationError
 
 from calm_core.domains import checked_name, known_domains
 from calm_core.domains import served_domain as domain_rule
@@ -37,7 +36,9 @@ def one_line_errors(fn):
 
 def _database_unreachable(error: Exception) -> str | None:
     """The driver's first line when `error` is SQLAlchemy failing to connect (a server down, a wrong host or
-    password), else None."""
+    password), else None. SQLAlchemy is imported only once it raised."""
+    if not type(error).__module__.startswith("sqlalchemy"):
+        return None
     from sqlalchemy.exc import OperationalError
 
     if not isinstance(error, OperationalError):
@@ -47,6 +48,8 @@ def _database_unreachable(error: Exception) -> str | None:
 
 def gateway_settings(**given):
     """The gateway's settings from CALM_* (and `given`), a wrong value refused in one line naming its variable."""
+    from pydantic import ValidationError
+
     from gateway.settings import GatewaySettings
 
     try:
@@ -89,7 +92,6 @@ def served_domain(domain: str, other: bool) -> str:
     any gateway has registered its default version only the spelling can be checked. Anything else is stored but never
     applies."""
     from calm_core.artifact import read_manifest
-
     from calm_core.registry import GLOBAL
 
     checked_name(domain)

@@ -4,7 +4,7 @@ guaranteed abstention threshold on labelled questions)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -12,7 +12,9 @@ from calm_cli.common import one_line_errors
 from calm_core.data import MC_DATASETS
 from calm_core.errors import CalmError
 from calm_core.prompts import AnswerFormat
-from training.dataset_spec import DatasetSpec
+
+if TYPE_CHECKING:
+    from training.dataset_spec import DatasetSpec
 
 commands = typer.Typer()
 policy_app = typer.Typer(help="Abstention policies offline.", no_args_is_help=True)
@@ -21,6 +23,8 @@ policy_app = typer.Typer(help="Abstention policies offline.", no_args_is_help=Tr
 def _dataset_specs(names: list[str], answer_format: str | None, offline: bool, domain: str | None,
                    artifact: Path | None) -> tuple[DatasetSpec, ...]:
     """The sets `calm eval` scores, refused where its options do not go together."""
+    from training.dataset_spec import DatasetSpec
+
     if not names:
         raise CalmError("name at least one --dataset, or pass --all-mc")
     if answer_format not in (None, AnswerFormat.LETTER, AnswerFormat.CLOZE):
@@ -105,6 +109,7 @@ def policy_fit(
     """Guaranteed abstention threshold (Learn-then-Test) for an artifact on labelled questions; prints it with its
     coverage (escalate/review: the share handed off and the error rate of the answers kept), writes fit.json,
     scores.npz and selective_risk.png."""
+    from training.dataset_spec import DatasetSpec
     from training.policy_fit import PolicyFitConfig, run_policy_fit  # torch
 
     if not (0 < target_risk < 1 and 0 < delta < 1):

@@ -45,7 +45,6 @@ def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
         help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
     """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
     from calm_core.jobs import JobQueue
-
     from training.retrain.labelled import METHODS  # torch, through the retraining worker's modules
 
     if method is not None and method not in METHODS:

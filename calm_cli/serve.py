@@ -9,12 +9,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-import uvicorn
 
 from calm_cli.common import gateway_settings, one_line_errors
 from calm_core.errors import CalmError
 from calm_core.startup import StartupLog, stage
-from gateway.edge.http_server import server_config
 
 commands = typer.Typer()
 
@@ -27,8 +25,10 @@ def serve(
     artifact: Annotated[Optional[Path], typer.Option(help="alpha-head artifact; default: the model's shipped one")] = None,
 ):
     """Run the gateway: OpenAI-compatible API with calibrated confidence (settings from CALM_* variables)."""
-    from calm_cli.serving import build_gateway
+    import uvicorn
 
+    from calm_cli.serving import build_gateway
+    from gateway.edge.http_server import server_config
     from gateway.edge.starting import StartingApp
 
     progress = StartupLog().install()
@@ -83,9 +83,7 @@ def worker(
     the gateway; several workers may share one database)."""
     # torch, through the trainer the worker runs and the gate's scoring
     from calm_cli.serving import offline_engines
-
     from calm_core.db import Database
-
     from training.retrain.gate import load_loop_config
     from training.retrain.worker import Worker
 

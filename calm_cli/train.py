@@ -13,8 +13,6 @@ from rich.table import Table
 from adapters.hosting.cpu_limits import process_threads
 from calm_cli.common import one_line_errors
 from calm_core.models import prepare_embedded, read_model_manifest
-from calm_core.splits import ROLES, load_split, materialize
-from training.config import load_config
 
 commands = typer.Typer()
 model_app = typer.Typer(help="Prepare and inspect models.", no_args_is_help=True)
@@ -34,6 +32,7 @@ def train_cmd(
 ):
     """Train CALM (or a baseline) with LoRA on the top layers; write the artifact to out_dir/artifact."""
     from calm_cli.serving import offline_engines
+    from training.config import load_config
 
     import torch
 
@@ -81,6 +80,7 @@ def report_cmd(
     """Run every method (CALM, ablations, baselines) on the declared split(s); write report.json/.md and plots.
     open-ended: PopQA -> TriviaQA and TriviaQA -> PopQA, free-form answers evaluated as served."""
     from calm_cli.serving import offline_engines
+    from training.config import load_config
 
     import torch
 
@@ -122,6 +122,8 @@ def model_prepare(
 @one_line_errors
 def split_show(path: Path):
     """Validate a split config, apply it to the data, and print the question count per role and source."""
+    from calm_core.splits import ROLES, load_split, materialize
+
     m = materialize(load_split(path))
     table = Table(title=f"split {m.config.name!r} (seed {m.config.seed})")
     for col in ("role", "source", "questions"):

@@ -19,7 +19,7 @@ from sqlalchemy import Column, Float, Integer, MetaData, String, Table, Text, se
 
 META = MetaData()
 SERVED_ANSWERS = Table("served_answers", META,
-                       Column("id", String(128), primary_key=True),  # the response key (gateway/wire.response_key)
+                       Column("id", String(128), primary_key=True),  # the response key (gateway/serving/wire.py's response_key)
                        Column("domain", String(64), nullable=False, index=True),
                        Column("version", String(128), nullable=False),
                        Column("kind", String(16), nullable=False),  # multiple_choice | free_form

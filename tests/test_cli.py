@@ -157,7 +157,10 @@ def test_missing_artifact(tmp_path):
     env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_REGISTRY_DIR": str(tmp_path / "registry")}
     (tmp_path / "empty").mkdir()
     assert_one_line_error(run_calm("artifacts", "show", str(tmp_path / "empty"), env=env), "manifest.json is missing")
-    assert_one_line_error(run_calm("artifacts", "show", str(tmp_path / "none"), env=env),
+    # a mistyped folder is a folder (a version's name has no "/"): refused as one, no database opened or created
+    assert_one_line_error(run_calm("artifacts", "show", str(tmp_path / "none"), env=env), "manifest.json is missing")
+    assert not (tmp_path / "g.db").exists()
+    assert_one_line_error(run_calm("artifacts", "show", "calm_head-nosuch", env=env),
                           "is neither an artifact folder nor a version in the registry")
 
 

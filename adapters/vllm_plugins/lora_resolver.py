@@ -1,7 +1,7 @@
 """Artifact versions' LoRA adapters loaded by a vLLM server at run time, by version name (a vLLM general plugin).
 
 A fleet engine serves every version of the registry without a restart: a request whose `model` is a served name
-("VERSION" or "VERSION:free_form", adapters/vllm_common.served_name) that the server has not loaded yet is resolved by
+("VERSION" or "VERSION:free_form", adapters/vllm_plugins/common.py's served_name) that the server has not loaded yet is resolved by
 vLLM's run-time LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING, the resolvers of `vllm.lora.resolver`), and this
 resolver maps the name to the adapter inside the registry folder ($CALM_REGISTRY_DIR): the same rule the α-head
 processor uses for `calm_head`, so a request names a version, never a path, and a name outside the registry is a 404.

@@ -6,7 +6,7 @@ calibrated (expected accuracy equals mean confidence); it is only as good as the
 
 Below the threshold the action applies: `annotate` (the answer is served, marked below), `abstain` (the policy's
 message instead), `escalate` (the original request goes to a stronger OpenAI-compatible model, gateway/serving/escalation.py)
-or `review` (the answer goes to a review queue, the caller gets the message and a review id, gateway/reviews.py).
+or `review` (the answer goes to a review queue, the caller gets the message and a review id, gateway/records/handoff_store.py).
 
 A target risk with a `delta` is a guarantee (`guaranteed_risk`): the threshold comes from the domain's labelled
 answers by Learn-then-Test (calm_core/risk_control.py), so that with probability ≥ 1 − δ the answers let through are

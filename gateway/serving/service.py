@@ -255,6 +255,8 @@ class CalibratedService:
                         scoring = item
                     elif item.text or item.token_ids:
                         yield self._token_chunk(ctx, item, started)
+                if scoring is None:  # a scorer's stream ends with its Scoring (calm_core/scorers/base.py)
+                    raise RuntimeError(f"{type(ctx.scorer).__name__}.stream ended without its scoring")
                 served = self.calibrate(scoring, ctx)
                 await self.record(served, ctx)
                 for i, answer in enumerate(served.answers):
