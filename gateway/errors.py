@@ -37,9 +37,8 @@ def count_refusal(gateway, path: str, status: int, kind: str) -> None:
     like the errors the route counts itself, under the domain label `unresolved`."""
     route = ANSWER_ROUTES.get(path)
     if route is not None and gateway is not None:
-        endpoint = route.name
-        gateway.metrics.errors.labels(endpoint, UNRESOLVED_DOMAIN, kind).inc()
-        gateway.metrics.requests_of(endpoint, UNRESOLVED_DOMAIN, str(status)).inc()
+        gateway.metrics.errors.labels(route.name, UNRESOLVED_DOMAIN, kind).inc()
+        gateway.metrics.requests_of(route.name, UNRESOLVED_DOMAIN, str(status)).inc()
 
 
 def _count_refused(request: Request, status: int, kind: str) -> None:

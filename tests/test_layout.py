@@ -116,6 +116,26 @@ def module_graph() -> dict[str, set[str]]:
     return {m: {t for name, _ in imports(p) if (t := resolve(name)) and t != m} for m, p in modules.items()}
 
 
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """Every circle a depth-first walk of `graph` meets, as "a -> b -> a"."""
+    state: dict[str, int] = {}
+    found = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
 def part(module: str) -> str:
     """The part of its package a module belongs to: gateway.serving.service -> serving; gateway.app -> app."""
     return module.split(".")[1] if "." in module else ""
@@ -143,23 +163,8 @@ def test_packages_import_only_downwards():
 
 
 def test_no_import_circles_even_through_imports_inside_functions_or_for_types():
-    graph = module_graph()
-    state: dict[str, int] = {}
-    circles = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt, stack + [nxt])
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [module])
-    assert not circles, circles
+    found = circles(module_graph())
+    assert not found, found
 
 
 @pytest.mark.parametrize("package", sorted(LAYERS))
@@ -185,22 +190,8 @@ def test_a_packages_parts_make_no_circle(package):
         if module.startswith(package + ".") and part(module):
             graph.setdefault(part(module), set()).update(
                 part(t) for t in targets if t.startswith(package + ".") and part(t) and part(t) != part(module))
-    state: dict[str, int] = {}
-    circles = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                circles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt, stack + [nxt])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    assert not circles, circles
+    found = circles(graph)
+    assert not found, found
 
 
 def test_the_gateway_package_keeps_few_modules_at_its_top():
@@ -211,8 +202,8 @@ def test_the_gateway_package_keeps_few_modules_at_its_top():
 @pytest.mark.parametrize("package", PACKAGES)
 def test_project_modules_are_imported_at_the_top_of_a_file(package):
     """An import inside a function is for a heavy optional dependency (transformers, peft, vLLM, ...), never to hide
-    a circle between the project's own modules. The CLI's commands import the project modules that load torch, vLLM,
-    PEFT or transformers where they run, so that `calm --help` stays light; only those."""
+    a circle between the project's own modules. The CLI's commands import the project modules that load a heavy
+    package (HEAVY) where they run, so that `calm --help` stays light; only those."""
     modules = sources()
     resolve = resolver(modules)
 
