@@ -62,3 +62,51 @@ def test_offline_evaluation_and_the_gateway_score_real_questions_alike(served, s
         np.testing.assert_allclose(probs, offline[row, : len(probs)], atol=1e-6)
     accuracy = np.mean(offline.argmax(1) == [q.answer for q in questions])
     assert 0.2 < accuracy < 0.9  # real questions, a real (tiny) model: neither broken nor trivial
+
+
+
+def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(served, embedded_model_dir,
+                                                                           shipped_artifact, shared_data, tmp_path,
+                                                                           monkeypatch):
+    """The retraining gate scores a head-only candidate (CALM with θ held) beside its parent: one load of the model and
+    one forward pass per question serve both, and each version gets exactly the numbers it gets scored alone (cloze
+    and letter). A version with another adapter shares nothing."""
+    import safetensors.torch
+
+    import training.artifact_scoring as scoring
+    import training.offline_engine as engine
+    from calm_core.alpha_head import AlphaHead
+    from calm_core.artifact import load_artifact, save_artifact
+
+    manifest, head, adapter = shipped_artifact.manifest, shipped_artifact.head, shipped_artifact.adapter_dir
+    flatter = AlphaHead(np.asarray(head.scale) * 0.5, np.asarray(head.shift))
+    moved = tmp_path / "moved-adapter"
+    moved.mkdir()
+    (moved / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
+    tensors = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] * 5
+    safetensors.torch.save_file(tensors, str(moved / "adapter_model.safetensors"))
+    made = {"cloze-parent": (head, adapter, "cloze"), "cloze-head-only": (flatter, adapter, "cloze"),
+            "letter-parent": (head, adapter, "letter"), "letter-head-only": (flatter, adapter, "letter"),
+            "other-adapter": (head, moved, "cloze")}
+    for name, (h, a, fmt) in made.items():
+        save_artifact(tmp_path / name, h, adapter_dir=a, answer_format=fmt, base_model=manifest.base_model,
+                      tokenizer=manifest.tokenizer, method="calm_head")
+    versions = [load_artifact(tmp_path / name) for name in made]
+    assert scoring.same_weights(versions[0], versions[3]) and not scoring.same_weights(versions[0], versions[4])
+
+    questions = load_mc("arc_easy", "dev", root=shared_data)[:6]
+    loads, packed_forwards = [], []
+    load, run = scoring.load_served_model, engine.run_layers_masked
+    monkeypatch.setattr(scoring, "load_served_model", lambda *a, **k: loads.append(a) or load(*a, **k))
+    monkeypatch.setattr(engine, "run_layers_masked", lambda *a, **k: packed_forwards.append(1) or run(*a, **k))
+    together = scoring.served_probabilities(versions, str(embedded_model_dir), questions)
+    assert len(loads) == 2  # the shipped adapter's four versions: one load; the other adapter: its own
+    assert len(packed_forwards) == 2  # cloze: one batch of the 6 questions per set of weights, not one per version
+    model, tokenizer = served
+    for (name, (h, _, fmt)), probs in zip(list(made.items())[:4], together):
+        alone = option_probabilities(model, tokenizer, questions, fmt, h)
+        np.testing.assert_allclose(probs[0], alone, atol=1e-6, err_msg=name)
+    assert np.abs(together[0][0] - together[1][0]).max() > 0.01  # each head applied to its own version
+    assert np.abs(together[4][0] - together[0][0]).max() > 1e-3  # the other adapter's own forward pass

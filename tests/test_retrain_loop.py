@@ -279,9 +279,11 @@ def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifac
     on = capture.configure("science", CaptureSettings(enabled=True))
     capture.add("science", on, [("multiple_choice", q["question"], q["choices"], None) for q in two_way(shared_data, 0, 60, 0)])
     job, _ = JobQueue(db).enqueue("science", "operator")
-    # Long enough to be killed mid-training: 20 steps, a checkpoint every 2.
+    # Long enough to be killed mid-training: killed once 5 steps are logged (the last checkpoint at step 4, one every
+    # 2), 10 steps in all, so that the resumed run's 6 new steps tell it apart from a run started over (10).
+    steps = 10
     train = tmp_path / "train.toml"
-    train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", "steps = 20"))
+    train.write_text((REPO / "configs/train/loop-smoke.toml").read_text().replace("steps = 8", f"steps = {steps}"))
     (tmp_path / "loop.toml").write_text(f'train_config = "{train}"\nruns_dir = "{tmp_path / "jobs"}"\n'
                                         "min_prompts = 40\naccuracy_tolerance = 1.0\nauto_promote_label_free = true\n")
     env = {"CALM_DB_PATH": str(db_path), "CALM_REGISTRY_DIR": str(registry_dir)}
@@ -303,8 +305,8 @@ def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifac
     assert finished.status == "promoted", finished.log
     assert finished.attempts == 2 and any("resumed" in line for line in finished.log)
     assert any("resumed from the checkpoint at step" in line for line in finished.log), finished.log
-    steps = [json.loads(line)["step"] for line in train_log.read_text().splitlines()]
-    assert steps[-1] == 20 and len(steps) < steps_before + 20  # it went on from the checkpoint, not from step 0
+    logged = [json.loads(line)["step"] for line in train_log.read_text().splitlines()]
+    assert logged[-1] == steps and len(logged) < steps_before + steps  # it went on from the checkpoint, not from step 0
     versions = [r.version for r in registry.list()]
     assert len(versions) == 2 and finished.candidate in versions  # exactly one candidate, complete and loadable
     from calm_core.artifact import load_artifact

@@ -9,6 +9,7 @@ gateway's answers to the same questions.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from calm_core.hashing import vocab_sha256
 from calm_core.prompts import AnswerFormat
 from calm_core.scorers.base import PostHoc
 from calm_core.scorers.questions import option_matrix, score_options
-from training.offline_engine import OfflineEngine
-from training.scoring import load_causal_lm, output_vocab_size
+from training.offline_engine import ForwardMemo, OfflineEngine
+from training.scoring import load_causal_lm, load_tokenizer, output_vocab_size
 
 
 def load_verified_artifact(path: str | Path, model_path: str, tokenizer) -> LoadedArtifact:
@@ -42,11 +43,50 @@ def load_served_model(model_path: str, adapter_dir: Path | None, dtype: str = "f
     return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
 
 
+def same_weights(a: LoadedArtifact, b: LoadedArtifact) -> bool:
+    """Whether two versions serve the same weights and differ by their heads (and post-hoc maps) alone, as a head-only
+    candidate (CALM with θ held) and its parent do: neither has an adapter, or their adapters' shapes and tensors are
+    equal (compared as tensors: the files may have been written apart)."""
+    if a.adapter_dir is None or b.adapter_dir is None:
+        return a.adapter_dir is None and b.adapter_dir is None
+    from safetensors.torch import load_file
+
+    def shape(artifact: LoadedArtifact) -> dict:  # where the base model was read from does not change the weights
+        config = json.loads((artifact.adapter_dir / "adapter_config.json").read_text())
+        return {k: v for k, v in config.items() if k not in ("base_model_name_or_path", "revision")}
+
+    if shape(a) != shape(b):
+        return False
+    ta, tb = (load_file(str(x.adapter_dir / "adapter_model.safetensors")) for x in (a, b))
+    return ta.keys() == tb.keys() and all(ta[k].equal(tb[k]) for k in ta)
+
+
+def served_probabilities(versions: list[LoadedArtifact], model_path: str,
+                         *question_sets: list[MCQuestion]) -> list[list[np.ndarray]]:
+    """Each version's option probabilities on each set, scored as the gateway serves it. Versions with the same
+    weights (same_weights) share one load of the model and one forward pass per question: only their heads differ."""
+    tokenizer = load_tokenizer(model_path)
+    out: list[list[np.ndarray] | None] = [None] * len(versions)
+    for n, version in enumerate(versions):
+        if out[n] is not None:
+            continue
+        sharing = [m for m in range(n, len(versions)) if out[m] is None and same_weights(version, versions[m])]
+        model, memo = load_served_model(model_path, version.adapter_dir), {}
+        for m in sharing:
+            manifest = versions[m].manifest
+            out[m] = [option_probabilities(model, tokenizer, qs, manifest.answer_format, versions[m].head,
+                                           option_temperature=manifest.option_temperature, memo=memo) if qs else
+                      np.zeros((0, 0)) for qs in question_sets]
+        del model, memo
+    return out
+
+
 def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormat,
                          head: AlphaHead | None, batch_size: int = 8,
-                         progress: Callable[[int], None] | None = None, option_temperature: float = 1.0) -> np.ndarray:
+                         progress: Callable[[int], None] | None = None, option_temperature: float = 1.0,
+                         memo: ForwardMemo | None = None) -> np.ndarray:
     """(N, max options) each question's distribution over its options (padding columns 0), through the α head and a
-    recalibrated version's option temperature."""
-    engine = OfflineEngine(model, tokenizer, head, batch_size)
+    recalibrated version's option temperature. `memo`: shared by engines over this model (OfflineEngine)."""
+    engine = OfflineEngine(model, tokenizer, head, batch_size, memo=memo)
     return option_matrix(asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress,
                                                    post_hoc=PostHoc(option_temperature))))

@@ -8,6 +8,10 @@ vLLM returns for weights with the head folded into the LM head. Prompt log-prob 
 options of one question) run as one packed sequence: the prefix once, each continuation seeing the prefix and itself
 (training/cloze.py's packing), as a prefix cache would — the question is read once, not once per option. The model is the served one (the artifact's adapter merged
 by the caller), so `adapter` is implied. Free-form generation is the vLLM engines' job: refused here.
+
+Engines over one model may share a `ForwardMemo`: what the model computed for a token sequence (the heads are applied
+afterwards), so versions that differ by their heads alone (a head-only candidate and its parent, judged side by side)
+run each question through the model once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from training.cloze import PAD_SEGMENT, pack_question, packed_mask, pad_packed
 from training.top_layers import decoder, run_layers_masked
 
 Pending = tuple[EngineRequest, tuple[int, ...], asyncio.Future]
+# What the model computed for a request (keyed by its token ids) or a packed group of them (by all their ids): the
+# final hidden states of a packed row, the last position's logits of a plain request. Valid for one model only.
+ForwardMemo = dict[tuple, torch.Tensor]
 
 
 def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -56,8 +63,10 @@ class OfflineEngine:
     free_form_mode = False
     prompt_logprobs = True
 
-    def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline"):
+    def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline",
+                 memo: ForwardMemo | None = None):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.memo = memo  # None: nothing is kept past the batch that computed it
         self.artifact_version = artifact_version
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -130,15 +139,21 @@ class OfflineEngine:
             ids = [i for _, i in group]
             prefix = min(min(shared_prefix(ids[0], other) for other in ids), min(map(len, ids)) - 1)
             layouts.append((prefix, pack_question(ClozeTokens(ids[0][:prefix], tuple(i[prefix:] for i in ids)))))
-        packed = [q for _, q in layouts]
+        keys = [tuple(i for _, i in group) for group in groups]
+        memo = {} if self.memo is None else self.memo
         stack, lm_head = decoder(self.model)
-        ids = pad_packed(packed, [q.input_ids for q in packed], 0).to(self.device)
-        segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT).to(self.device)
-        positions = pad_packed(packed, [q.positions for q in packed], 0).to(self.device)
-        hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(ids), packed_mask(segment), positions)
+        todo = [n for n, key in enumerate(keys) if key not in memo]
+        if todo:
+            packed = [layouts[n][1] for n in todo]
+            ids = pad_packed(packed, [q.input_ids for q in packed], 0).to(self.device)
+            segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT).to(self.device)
+            positions = pad_packed(packed, [q.positions for q in packed], 0).to(self.device)
+            hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(ids), packed_mask(segment), positions)
+            for row, n in enumerate(todo):
+                memo[keys[n]] = stack.norm(hidden[row, : len(packed[row].input_ids)])
         deltas = []
-        for row, (group, (prefix, _)) in enumerate(zip(groups, layouts)):
-            logits, start = lm_head(stack.norm(hidden[row])).float(), prefix
+        for group, key, (prefix, _) in zip(groups, keys, layouts):
+            logits, start = lm_head(memo[key]).float(), prefix
             for request, own in group:
                 rows = list(range(prefix)) + list(range(start, start + len(own) - prefix))
                 start += len(own) - prefix
@@ -147,15 +162,20 @@ class OfflineEngine:
 
     @torch.inference_mode()
     def _answer(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:
-        longest = max(len(ids) for _, ids in batch)
-        input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, (_, ids) in enumerate(batch):  # right padding: a real position never sees a pad token
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            mask[row, : len(ids)] = 1
-        logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
-        deltas = [self._delta(request, ids, logits[row, : len(ids)]) for row, (request, ids) in enumerate(batch)]
-        return deltas
+        """Requests without prompt log-probs: only the last position's logits are read."""
+        memo = {} if self.memo is None else self.memo
+        todo = [(request, ids) for request, ids in batch if ids not in memo]
+        if todo:
+            longest = max(len(ids) for _, ids in todo)
+            input_ids = torch.full((len(todo), longest), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(todo), longest), dtype=torch.long)
+            for row, (_, ids) in enumerate(todo):  # right padding: a real position never sees a pad token
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                mask[row, : len(ids)] = 1
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+            for row, (_, ids) in enumerate(todo):
+                memo[ids] = logits[row, len(ids) - 1 : len(ids)]
+        return [self._delta(request, ids, memo[ids]) for request, ids in batch]
 
     def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor) -> EngineDelta:
         last = logits[-1].double()

@@ -48,7 +48,8 @@ from calm_core.models import resolve_model  # noqa: E402
 from calm_core.paths import BUNDLED_DIR  # noqa: E402
 from calm_core.recalibration import tempered  # noqa: E402
 from calm_core.registry import Registry  # noqa: E402
-from training.retrain.worker import Worker, metrics_of, served_probabilities  # noqa: E402
+from training.artifact_scoring import served_probabilities  # noqa: E402
+from training.retrain.worker import Worker, metrics_of  # noqa: E402
 from training.retrain.data import write_questions  # noqa: E402
 from training.retrain.gate import LoopConfig  # noqa: E402
 
@@ -138,7 +139,7 @@ def parent_probabilities(domain: str, model_path: str, *sets: list[MCQuestion]) 
     path = Path(tempfile.gettempdir()) / "label-free-loop" / f"{key}.npz"
     if path.is_file():
         return list(np.load(path).values())
-    probs = served_probabilities(SHIPPED, model_path, *sets)
+    probs = served_probabilities([load_artifact(SHIPPED)], model_path, *sets)[0]
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, *probs)
     return probs
@@ -195,7 +196,7 @@ def run_domain(domain: str, ways: list[str], data: Path, model_path: str, out: d
             else:
                 cand_dir, result = train_with_worker(way, domain, captured, held_out_file, Path(tmp) / way)
                 # The job scored both versions on the held-out questions (its test set) by the same rule.
-                c_captured, c_home = served_probabilities(cand_dir, model_path, captured, home)
+                c_captured, c_home = served_probabilities([load_artifact(cand_dir)], model_path, captured, home)[0]
                 detail = {"job_in_domain": result["in_domain"]}
             held = metrics_of(c_held, held_out) if way == "atc" else result["in_domain"]["candidate"]
             row = {"domain": domain, "way": way, "seconds": round(time.perf_counter() - t0, 1),
@@ -240,7 +241,7 @@ def run_references(domains: list[str], data: Path, model_path: str, out: dict) -
     tokenizer = load_tokenizer(model_path)
     base = load_served_model(model_path, None)
     uncalibrated = {d: option_probabilities(base, tokenizer, qs, AnswerFormat.CLOZE, None) for d, qs in held.items()}
-    sft_calib, *sft_held = served_probabilities(sft, model_path, calibration, *held.values())
+    sft_calib, *sft_held = served_probabilities([load_artifact(sft)], model_path, calibration, *held.values())[0]
     # Temperature scaling fitted on the labelled calibration questions of the home split (the post-hoc baseline).
     n_options = np.array([len(q.choices) for q in calibration])
     z = np.where(np.arange(sft_calib.shape[1]) < n_options[:, None], np.log(np.maximum(sft_calib, 1e-300)), -np.inf)

@@ -46,7 +46,7 @@ from calm_core.models import resolve_model
 from calm_core.served_answers import judged_choices, judged_free_form
 from calm_core.splits import load_split, materialize
 from calm_core.toml_config import dump_toml
-from training.artifact_scoring import load_served_model, option_probabilities
+from training.artifact_scoring import served_probabilities
 from training.artifacts import reference_histogram
 from training.config import load_config
 from training.retrain.data import (
@@ -56,24 +56,12 @@ from training.retrain.data import (
 from training.retrain.free_form import retrain_free_form
 from training.retrain.gate import GateInputs, LoopConfig, both, gate
 from training.retrain.labelled import DomainLabels, job_method, recalibrate_modes
-from training.scoring import load_tokenizer
 from training.trainer import Trainer
 
 log = logging.getLogger("calm.worker")
 
 
 # -- scoring and judging ---------------------------------------------------------------------------------------------
-def served_probabilities(artifact_dir: Path, model_path: str, *question_sets: list[MCQuestion]) -> list[np.ndarray]:
-    """Each set's option probabilities under an artifact, scored as the gateway serves it; the model loads once."""
-    tokenizer = load_tokenizer(model_path)
-    artifact = load_artifact(artifact_dir)
-    model = load_served_model(model_path, artifact.adapter_dir)
-    manifest = artifact.manifest
-    return [option_probabilities(model, tokenizer, qs, manifest.answer_format, artifact.head,
-                                 option_temperature=manifest.option_temperature) if qs else
-            np.zeros((0, 0)) for qs in question_sets]
-
-
 def metrics_of(probs: np.ndarray, questions: list[MCQuestion]) -> dict:
     """Accuracy, mean confidence, ECE, AUROC and Brier of one set's probabilities."""
     report = calibration_report(probs, np.array([q.answer for q in questions]), n_boot=20).as_dict()
@@ -290,10 +278,12 @@ class Worker:
         model_path = str(resolve_model(train_cfg.model).path)
         tests = materialize(load_split(split_path)).role("test_in_domain")
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
-        # One load of the candidate's weights for everything it is scored on, one of the active version's.
-        cand_calib, cand_tests, cand_labels = served_probabilities(exported, model_path, calibration, tests, judged)
-        active = (tuple(served_probabilities(parent_artifact.path, model_path, calibration, tests, judged))
-                  if parent_artifact else None)
+        # One load of the weights per version for everything it is scored on; a head-only candidate shares its
+        # parent's (and each question's forward pass).
+        versions = [load_artifact(exported)] + ([parent_artifact] if parent_artifact else [])
+        scored = served_probabilities(versions, model_path, calibration, tests, judged)
+        cand_calib, cand_tests, cand_labels = scored[0]
+        active = tuple(scored[1]) if parent_artifact else None
         result = judged_result(calibration, tests, judged, len(labelled), (cand_calib, cand_tests, cand_labels), active)
         return exported, result, cand_calib.max(axis=1)
 
