@@ -238,8 +238,9 @@ def test_an_encoded_set_cache_is_read_as_data(tmp_path):
     from training.features import _key, encode_sets
 
     fmt = SimpleNamespace(name="letter", fingerprint=lambda tok, q: "")
-    split = SimpleNamespace(sources={role: {} for role in ROLES})  # no questions: the cache file is all there is
-    torch.save([Payload()], tmp_path / f"prefix-letter-{_key('w', 0, 'letter', [])}.pt")
+    split = SimpleNamespace(sources={role: {} for role in ROLES})
+    split.sources["train"]["one"] = [object()]  # never encoded: its cache file is all there is
+    torch.save([Payload()], tmp_path / f"prefix-letter-{_key('w', 0, 'letter', [''])}.pt")
     RAN.clear()
     with pytest.raises(pickle.UnpicklingError):
         encode_sets(None, None, split, 0, "w", tmp_path, fmt)

@@ -166,3 +166,35 @@ def test_atomic_dir_replaces_a_folder_or_keeps_a_cache_another_process_wrote(tmp
         (tmp / "f").write_text("broken")
         raise RuntimeError
     assert (target / "f").read_text() == "second" and sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_splits_that_share_a_set_encode_it_once(tmp_path):
+    """Retraining jobs train on the same training and test sets beside each job's own captured prompts: each set is
+    cached on its own, so a second split encodes only its new set, and a set's questions keep their own states."""
+    from types import SimpleNamespace
+
+    from calm_core.data import MCQuestion
+    from calm_core.splits import ROLES
+    from training.features import encode_sets
+
+    def questions(name: str, n: int) -> list[MCQuestion]:
+        return [MCQuestion(f"{name}-{i}", name, "dev", f"{name} question {i}?", ("a", "b"), i % 2, "science")
+                for i in range(n)]
+
+    encoded = []
+    fmt = SimpleNamespace(name="letter", fingerprint=lambda tok, q: q.question,
+                          encode=lambda model, tok, qs, first, bs, advance: encoded.append(len(qs)) or
+                          [torch.tensor([float(len(q.question))]) for q in qs])
+    train, tests = questions("train", 3), questions("tests", 4)
+
+    def split(calibration: list[MCQuestion]):
+        sources = {role: {} for role in ROLES}
+        sources.update(train={"train": train}, calibration={"captured": calibration}, test_in_domain={"tests": tests})
+        return SimpleNamespace(sources=sources)
+
+    first = encode_sets(None, None, split(questions("job-one", 5)), 26, "w", tmp_path, fmt)
+    second = encode_sets(None, None, split(questions("job-two", 6)), 26, "w", tmp_path, fmt)
+    assert encoded == [3, 5, 4, 6]  # the second job encoded its 6 captured prompts only
+    assert [float(h) for h in second["test_in_domain"]["tests"].items] == [len(q.question) for q in tests]
+    assert second["test_in_domain"]["tests"].labels.tolist() == [0, 1, 0, 1]
+    assert len(first["calibration"]["captured"]) == 5 and len(second["calibration"]["captured"]) == 6

@@ -1,7 +1,8 @@
 """Encoded question sets: the frozen-prefix hidden states of every question in a split, cached on disk.
 
-The cache key covers the model's weights id, the layer where training starts, the answer format and the exact input
-texts, so a changed prompt, format or model never reuses stale states.
+A file per source set: its key covers the model's weights id, the layer where training starts, the answer format and
+the exact input texts, so a changed prompt, format or model never reuses stale states, and splits that share a set
+(retraining jobs: the same training and test sets beside each job's captured prompts) encode it once.
 """
 
 from __future__ import annotations
@@ -46,36 +47,37 @@ def _key(weights_id: str, first_trained: int, fmt: str, texts: list[str]) -> str
 
 def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, weights_id: str, cache_dir: Path,
                 fmt: FormatEncoder, batch_size: int = 16) -> dict[str, dict[str, EncodedSet]]:
-    """Per role and source label, the encoded questions; computed once per (model, layer, format, inputs)."""
-    sets = {role: {label: qs for label, qs in split.sources[role].items()} for role in ROLES}
-    flat = [q for d in sets.values() for qs in d.values() for q in qs]
+    """Per role and source label, the encoded questions; each set computed once per (model, layer, format, inputs)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    key = _key(weights_id, first_trained, fmt.name, [fmt.fingerprint(tokenizer, q) for q in flat])
-    path = cache_dir / f"prefix-{fmt.name}-{key}.pt"
-    if path.is_file():
-        # Tensors, plain values and the packed questions of cloze and free-form formats, nothing else: a cache file
-        # is data, never code (a full unpickler would run whatever a file put there).
-        with torch.serialization.safe_globals([PackedQuestion]):
-            items = torch.load(path, weights_only=True)
-    else:
+    sets = [(role, label, qs) for role in ROLES for label, qs in split.sources[role].items()]
+    keys = [_key(weights_id, first_trained, fmt.name, [fmt.fingerprint(tokenizer, q) for q in qs]) for _, _, qs in sets]
+    paths = [cache_dir / f"prefix-{fmt.name}-{key}.pt" for key in keys]
+    items = {path: _read_cached(path) for path in paths if path.is_file()}
+    missing = {path: qs for path, (_, _, qs) in zip(paths, sets) if path not in items}
+    if missing:
         with Progress(TextColumn(f"encoding frozen layers ({fmt.name})"), BarColumn(), MofNCompleteColumn(),
                       TimeRemainingColumn()) as bar:
-            task = bar.add_task("encode", total=len(flat))
-            items = fmt.encode(model, tokenizer, flat, first_trained, batch_size, lambda n: bar.advance(task, n))
-        tmp = path.with_suffix(".tmp")
-        torch.save(items, tmp)
-        tmp.rename(path)
-    out, i = {}, 0
-    for role, d in sets.items():
-        out[role] = {}
-        for label, qs in d.items():
-            # Free-form questions have one "option", their answer: label 0 of 1.
-            labels = [q.answer if isinstance(q, MCQuestion) else 0 for q in qs]
-            n_options = [q.n_options if isinstance(q, MCQuestion) else 1 for q in qs]
-            out[role][label] = EncodedSet(label, qs, items[i : i + len(qs)], torch.tensor(labels, dtype=torch.long),
-                                          torch.tensor(n_options, dtype=torch.long))
-            i += len(qs)
+            task = bar.add_task("encode", total=sum(len(qs) for qs in missing.values()))
+            for path, qs in missing.items():
+                items[path] = fmt.encode(model, tokenizer, qs, first_trained, batch_size, lambda n: bar.advance(task, n))
+                tmp = path.with_suffix(".tmp")
+                torch.save(items[path], tmp)
+                tmp.rename(path)
+    out: dict[str, dict[str, EncodedSet]] = {role: {} for role in ROLES}
+    for (role, label, qs), path in zip(sets, paths):
+        # Free-form questions have one "option", their answer: label 0 of 1.
+        labels = [q.answer if isinstance(q, MCQuestion) else 0 for q in qs]
+        n_options = [q.n_options if isinstance(q, MCQuestion) else 1 for q in qs]
+        out[role][label] = EncodedSet(label, qs, items[path], torch.tensor(labels, dtype=torch.long),
+                                      torch.tensor(n_options, dtype=torch.long))
     return out
+
+
+def _read_cached(path: Path) -> list:
+    # Tensors, plain values and the packed questions of cloze and free-form formats, nothing else: a cache file is
+    # data, never code (a full unpickler would run whatever a file put there).
+    with torch.serialization.safe_globals([PackedQuestion]):
+        return torch.load(path, weights_only=True)
 
 
 def concat(sets: list[EncodedSet], label: str) -> EncodedSet:
