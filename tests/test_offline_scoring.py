@@ -71,6 +71,8 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
     """The retraining gate scores a head-only candidate (CALM with θ held) beside its parent: one load of the model and
     one forward pass per question serve both, and each version gets exactly the numbers it gets scored alone (cloze
     and letter). A version with another adapter shares nothing."""
+    import json
+
     import safetensors.torch
 
     import training.artifact_scoring as scoring
@@ -80,15 +82,23 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
 
     manifest, head, adapter = shipped_artifact.manifest, shipped_artifact.head, shipped_artifact.adapter_dir
     flatter = AlphaHead(np.asarray(head.scale) * 0.5, np.asarray(head.shift))
+    # The head-only candidate's adapter as training exports it: the same tensors, written apart, its config naming the
+    # base model by id and listing the LoRA's target modules (a set) in another order.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    exported = tmp_path / "exported-adapter"
+    exported.mkdir()
+    (exported / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "elsewhere",
+                                                              "target_modules": config["target_modules"][::-1]}))
+    tensors = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
+    safetensors.torch.save_file(dict(reversed(tensors.items())), str(exported / "adapter_model.safetensors"))
     moved = tmp_path / "moved-adapter"
     moved.mkdir()
     (moved / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())
-    tensors = safetensors.torch.load_file(str(adapter / "adapter_model.safetensors"))
     first = sorted(tensors)[0]
     tensors[first] = tensors[first] * 5
     safetensors.torch.save_file(tensors, str(moved / "adapter_model.safetensors"))
-    made = {"cloze-parent": (head, adapter, "cloze"), "cloze-head-only": (flatter, adapter, "cloze"),
-            "letter-parent": (head, adapter, "letter"), "letter-head-only": (flatter, adapter, "letter"),
+    made = {"cloze-parent": (head, adapter, "cloze"), "cloze-head-only": (flatter, exported, "cloze"),
+            "letter-parent": (head, adapter, "letter"), "letter-head-only": (flatter, exported, "letter"),
             "other-adapter": (head, moved, "cloze")}
     for name, (h, a, fmt) in made.items():
         save_artifact(tmp_path / name, h, adapter_dir=a, answer_format=fmt, base_model=manifest.base_model,

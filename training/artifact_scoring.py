@@ -51,9 +51,12 @@ def same_weights(a: LoadedArtifact, b: LoadedArtifact) -> bool:
         return a.adapter_dir is None and b.adapter_dir is None
     from safetensors.torch import load_file
 
-    def shape(artifact: LoadedArtifact) -> dict:  # where the base model was read from does not change the weights
+    def shape(artifact: LoadedArtifact) -> dict:
         config = json.loads((artifact.adapter_dir / "adapter_config.json").read_text())
-        return {k: v for k, v in config.items() if k not in ("base_model_name_or_path", "revision")}
+        # Where the base model was read from does not change the weights; PEFT writes target_modules, a set, in any
+        # order (the loop's head-only candidates list their parent's modules in another).
+        return {k: sorted(v, key=str) if isinstance(v, list) else v for k, v in config.items()
+                if k not in ("base_model_name_or_path", "revision")}
 
     if shape(a) != shape(b):
         return False
