@@ -18,6 +18,7 @@ from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
 from tests.servers import background, calm_argv, free_port, metric_values, wait_until, watch_start
+from tests.test_cli import calm
 
 # memory_gb: the peak PSS of a gateway with three engines, `calm eval` offline beside it: 8.1 GB measured with the
 # tests' 128 MB KV cache per engine (9.8 with the CPU default 512; tests/memory_budget.py).
@@ -315,24 +316,25 @@ def _chat_requests(gateway: str) -> float:
     return sum(metric_values(gateway, "calm_requests_total", endpoint="chat"))
 
 
+# `calm eval` runs in this process (tests/test_cli.py's `calm`, typer's runner) where only its numbers are compared:
+# each run in a subprocess paid 6-7 CPU-s for importing torch and transformers again. The offline free-form
+# evaluation stays a subprocess: it starts vLLM in process, which this one must not host.
+
+
 def test_calm_eval_offline_equals_calm_eval_through_the_gateway(gateway, tmp_path, shipped_artifact):
     """`calm eval --artifact` (HF transformers: base + merged adapter, cloze, α head) and `calm eval --gateway`
     (the official client against the running default gateway) give the same option probabilities (1e-3) and the
     same report; an interrupted gateway run resumes without asking again what it already has."""
     import json
-    import subprocess
-    import sys
 
     from tests.hf_reference import option_tolerances
 
     atol, _ = option_tolerances(gateway)
-    sets = ["-d", "arc_easy:dev", "-d", "medmcqa", "--limit", "6"]
-    calm = [sys.executable, "-m", "calm_cli", "eval", *sets]
-    offline = subprocess.run([*calm, "--artifact", str(shipped_artifact.path), "--out", str(tmp_path / "offline")],
-                             capture_output=True, text=True, timeout=600)
+    sets = ["eval", "-d", "arc_easy:dev", "-d", "medmcqa", "--limit", "6"]
+    offline = calm(*sets, "--artifact", shipped_artifact.path, "--out", tmp_path / "offline")
     assert offline.returncode == 0, offline.stderr
-    online_cmd = [*calm, "--gateway", gateway, "--concurrency", "4", "--out", str(tmp_path / "online")]
-    online = subprocess.run(online_cmd, capture_output=True, text=True, timeout=600)
+    online_cmd = [*sets, "--gateway", gateway, "--concurrency", "4", "--out", tmp_path / "online"]
+    online = calm(*online_cmd)
     assert online.returncode == 0, online.stderr
     for name in ("arc_easy_dev", "medmcqa_dev"):
         a, b = (np.load(tmp_path / run / f"probs_{name}.npz") for run in ("offline", "online"))
@@ -348,41 +350,74 @@ def test_calm_eval_offline_equals_calm_eval_through_the_gateway(gateway, tmp_pat
     kept = answers.read_text().splitlines()[:4]
     answers.write_text("\n".join(kept) + "\n" + '{"id": "cut')
     before = _chat_requests(gateway)
-    again = subprocess.run(online_cmd, capture_output=True, text=True, timeout=600)
+    again = calm(*online_cmd)
     assert again.returncode == 0, again.stderr
     assert _chat_requests(gateway) - before == 2 + 1  # the two missing answers, and the deployment probe
     rerun = np.load(tmp_path / "online" / "probs_medmcqa_dev.npz")
     np.testing.assert_allclose(rerun["probs"], np.load(tmp_path / "offline" / "probs_medmcqa_dev.npz")["probs"], atol=atol)
 
 
-def test_calm_eval_of_open_ended_questions_offline_equals_through_the_gateway(gateway, tmp_path, shipped_artifact):
+# 8 TriviaQA questions (the comparison with the gateway below) and the 6 of PopQA's test range 0-0.006 (the report's
+# checks), each set whole under --limit 8: one offline run, one vLLM start, for both tests. --samples 3 gives the
+# semantic checks their samples; the greedy answers the gateway comparison reads come first and are not changed by them.
+FREE_FORM_SETS = ["-d", "triviaqa", "-d", "popqa:test@0-0.006", "--limit", "8"]
+
+
+@pytest.fixture(scope="module")
+def offline_free_form(tmp_path_factory, shipped_artifact):
+    """`calm eval --artifact` of the shipped artifact's free-form mode on both sets (vLLM in its own process): the
+    report folder and the run's stderr."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("offline-free-form")
+    proc = subprocess.run([*calm_argv("eval", *FREE_FORM_SETS, "--samples", "3", "--artifact",
+                                      str(shipped_artifact.path), "--out", str(out))],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stderr
+
+
+def test_free_form_eval_of_the_shipped_mode_writes_a_report(offline_free_form, shipped_artifact):
+    """`calm eval --artifact` on open-ended sets answers through the artifact's free-form mode (vLLM, as served):
+    accuracy, token and semantic confidence per set; a range of a split selects the questions a domain split would.
+    (Moved from tests/test_cli.py, its errors still there: its run is the one the gateway comparison below reads.)"""
+    import json
+
+    out, stderr = offline_free_form
+    report = json.loads((out / "report.json").read_text())
+    assert report["artifact"] == shipped_artifact.manifest.free_form_version
+    m = report["results"]["popqa:test@0-0.006"]
+    assert m["n"] == 6 and 0 < m["mean_confidence"] < 1 and 0 < m["sem_mean_confidence"] < 1
+    assert m["sem_same_answer"] == 1.0 and m["sem_accuracy"] == m["accuracy"]  # semantic keeps the greedy answer
+    answers = [json.loads(line) for line in (out / "answers_popqa_test_0-0.006.jsonl").read_text().splitlines()]
+    assert all(sum(a["cluster_sizes"]) == 3 and 0 <= a["semantic_agreeing"] <= 3 for a in answers)
+    # progress on stderr, a line per tenth of each stage (a full run takes tens of minutes): both sets' 8 + 6 questions
+    assert "greedy answers: 14/14 questions" in stderr and "3 sampled answers each: 14/14 questions" in stderr
+
+
+def test_calm_eval_of_open_ended_questions_offline_equals_through_the_gateway(gateway, tmp_path, offline_free_form):
     """Open-ended sets through `calm eval --gateway`: the greedy answers of the shipped free-form mode are the offline
     evaluation's (vLLM in process, the same head), their token confidence agrees to the dtype's tolerance, correctness
     is the same alias match, and the report has the same numbers."""
     import json
-    import subprocess
-    import sys
 
     from tests.hf_reference import option_tolerances
 
     atol, _ = option_tolerances(gateway)
-    calm = [sys.executable, "-m", "calm_cli", "eval", "-d", "triviaqa", "--limit", "8", "--samples", "0"]
-    offline = subprocess.run([*calm, "--artifact", str(shipped_artifact.path), "--out", str(tmp_path / "offline")],
-                             capture_output=True, text=True, timeout=600)
-    assert offline.returncode == 0, offline.stderr
-    online = subprocess.run([*calm, "--gateway", gateway, "--concurrency", "4", "--out", str(tmp_path / "online")],
-                            capture_output=True, text=True, timeout=600)
+    offline, _ = offline_free_form
+    online = calm("eval", "-d", "triviaqa", "--limit", "8", "--samples", "0", "--gateway", gateway, "--concurrency",
+                  "4", "--out", tmp_path / "online")
     assert online.returncode == 0, online.stderr
-    runs = [{r["id"]: r for r in map(json.loads, (tmp_path / run / "answers_triviaqa_sample.jsonl").read_text().splitlines())}
-            for run in ("offline", "online")]
+    runs = [{r["id"]: r for r in map(json.loads, (folder / "answers_triviaqa_sample.jsonl").read_text().splitlines())}
+            for folder in (offline, tmp_path / "online")]
     assert runs[0].keys() == runs[1].keys() and len(runs[0]) == 8
     for qid, a in runs[0].items():
         b = runs[1][qid]
         assert (b["text"], b["correct"], b["n_tokens"]) == (a["text"], a["correct"], a["n_tokens"]), qid
         assert b["token_confidence"] == pytest.approx(a["token_confidence"], abs=atol)
         assert b["sequence_probability"] == pytest.approx(a["sequence_probability"], abs=atol)
-    reports = [json.loads((tmp_path / run / "report.json").read_text())["results"]["triviaqa:sample"]
-               for run in ("offline", "online")]
+    reports = [json.loads((folder / "report.json").read_text())["results"]["triviaqa:sample"]
+               for folder in (offline, tmp_path / "online")]
     assert reports[1]["accuracy"] == reports[0]["accuracy"]
     assert reports[1]["mean_confidence"] == pytest.approx(reports[0]["mean_confidence"], abs=atol)
 
@@ -424,9 +459,6 @@ def test_calm_eval_through_the_gateway_in_a_domain_scores_the_version_serving_th
     (ARC: science), which the shipped version serves. The version for D is the shipped one with its option scores
     at twice the temperature (its engines are the shipped ones: same weights and head)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from calm_core.artifact import derive_version
     from tests.hf_reference import option_tolerances
@@ -435,21 +467,17 @@ def test_calm_eval_through_the_gateway_in_a_domain_scores_the_version_serving_th
     atol, _ = option_tolerances(gateway)
     flatter = derive_version(shipped_artifact.path, tmp_path / "flatter", "recalibrated",
                              option_temperature=shipped_artifact.manifest.option_temperature * 2)
-    env = {**os.environ, "CALM_DB_PATH": str(started["db"])}
-    calm = [sys.executable, "-m", "calm_cli"]
-    added = subprocess.run([*calm, "artifacts", "add", str(tmp_path / "flatter"), "--domain", "commonsense",
-                            "--promote"], env=env, capture_output=True, text=True, timeout=300)
+    added = calm("artifacts", "add", tmp_path / "flatter", "--domain", "commonsense", "--promote",
+                 env={"CALM_DB_PATH": str(started["db"])})
     assert added.returncode == 0, added.stderr
     try:
         wait_until("the gateway to serve the new version for commonsense", lambda: httpx.get(
             f"{gateway}/health", headers=admin).json()["versions"]["routes"].get("commonsense") ==
             flatter.artifact_version, 300, 0.5)
-        sets = [*calm, "eval", "-d", "arc_easy:dev", "--limit", "6"]
-        runs = {"offline": ["--artifact", str(tmp_path / "flatter")],
+        runs = {"offline": ["--artifact", tmp_path / "flatter"],
                 "in_domain": ["--gateway", gateway, "--domain", "commonsense"], "own_domain": ["--gateway", gateway]}
         for name, args in runs.items():
-            out = subprocess.run([*sets, *args, "--out", str(tmp_path / name)], capture_output=True, text=True,
-                                 timeout=600)
+            out = calm("eval", "-d", "arc_easy:dev", "--limit", "6", *args, "--out", tmp_path / name)
             assert out.returncode == 0, out.stderr
         probs = {name: np.load(tmp_path / name / "probs_arc_easy_dev.npz")["probs"] for name in runs}
         np.testing.assert_allclose(probs["in_domain"], probs["offline"], atol=atol)
