@@ -45,10 +45,12 @@ def jobs_create(domain: str, method: Annotated[Optional[str], typer.Option(
         help="auto | label_free | labelled (default: the loop config's, auto: labelled where the domain has enough labels)")] = None):
     """Queue a retraining job for a domain by hand (the open one is reused if there is one)."""
     from calm_core.jobs import JobQueue
-    from training.retrain.labelled import METHODS  # torch, through the retraining worker's modules
 
-    if method is not None and method not in METHODS:
-        raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
+    if method is not None:  # checked only where named: the names' module loads torch (the worker's modules)
+        from training.retrain.labelled import METHODS
+
+        if method not in METHODS:
+            raise typer.BadParameter(f"one of {', '.join(METHODS)}", param_hint="--method")
     served_domain(domain, other=False)
     job, created = JobQueue(open_store()).enqueue(domain, "operator", {"by": "cli", **({"method": method} if method else {})})
     typer.echo(f"{job.id} {'queued' if created else 'already open'} for {domain}")
