@@ -170,15 +170,14 @@ def test_offline_engines_take_the_gateways_settings_on_cpu(monkeypatch):
 def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_path, shipped_artifact):
     """A version with an adapter: its merged copy from the cache once a gateway built it, else None (offline scoring
     then merges into a temporary folder); a version without one: the base model."""
-    from adapters.hosting.merged_weights import built_merged_dir, write_cache_index
+    from adapters.hosting.merged_weights import built_merged_dir, served_weights_key, write_cache_index
     from calm_core.artifact import load_artifact
     from training.artifacts import write_identity_artifact
 
     write_identity_artifact(tmp_path / "identity", with_reference=False)
     monkeypatch.setenv("CALM_HOME", str(tmp_path))
     assert shipped_artifact.adapter_dir is not None and built_merged_dir("/base", shipped_artifact) is None
-    m = shipped_artifact.manifest
-    built = tmp_path / "merged" / f"{m.artifact_version}-{m.head_sha256[:8]}"
+    built = tmp_path / "merged" / served_weights_key(shipped_artifact)
     built.mkdir(parents=True)
     assert built_merged_dir("/base", shipped_artifact) is None  # a folder without config.json is a merge cut short
     (built / "config.json").write_text("{}")
@@ -187,6 +186,27 @@ def test_offline_scoring_reuses_a_merged_copy_a_gateway_built(monkeypatch, tmp_p
     assert built_merged_dir("/base", shipped_artifact) == built
     identity = load_artifact(tmp_path / "identity")
     assert identity.adapter_dir is None and str(built_merged_dir("/base", identity)) == "/base"
+
+
+def test_versions_with_the_same_adapter_are_served_from_one_copy_of_the_weights(tmp_path, shipped_artifact):
+    """A recalibrated version and a retrained free-form mode beside its parent's multiple-choice mode keep the parent's
+    adapter: one merged copy (so one engine) serves them all; another adapter, or the same one on other base weights,
+    gets its own; a manifest that records no file hashes keeps a copy of its own version."""
+    from adapters.hosting.merged_weights import served_weights_key
+    from calm_core.artifact import derive_version, load_artifact
+
+    derive_version(shipped_artifact.path, tmp_path / "recalibrated", "recalibrated", option_temperature=1.5)
+    recalibrated = load_artifact(tmp_path / "recalibrated")
+    assert recalibrated.manifest.artifact_version != shipped_artifact.manifest.artifact_version
+    assert served_weights_key(recalibrated) == served_weights_key(shipped_artifact)
+    m = shipped_artifact.manifest
+    other_files = {**m.files, "adapter/adapter_model.safetensors": "0" * 64}
+    for changed in (m.model_copy(update={"files": other_files}),
+                    m.model_copy(update={"base_model": m.base_model.model_copy(update={"weights_sha256": "f" * 64})})):
+        moved = shipped_artifact.model_copy(update={"manifest": changed})
+        assert served_weights_key(moved) != served_weights_key(shipped_artifact)
+    unrecorded = shipped_artifact.model_copy(update={"manifest": m.model_copy(update={"files": None})})
+    assert served_weights_key(unrecorded) == m.artifact_version
 
 
 def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_would_save(tmp_path, embedded_model_dir):

@@ -7,12 +7,15 @@
   change a softmax): scalar heads and per-token scale-only heads. Then vLLM's prompt log-probs, which skip logits
   processors, are calibrated, and a cloze option is scored in one request.
 
+A copy is named by what its weights are made of (served_weights_key): versions with the same adapter (a recalibrated
+version, a retrained free-form mode beside its parent's multiple-choice mode) share one copy, hence one engine.
 Each copy carries an index of its files' hashes (CACHE_INDEX), written last; a copy is served only when every file
 matches it (hashed once per process), else it is built again: a crash, a disk fault or an edit never reaches an engine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -21,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from calm_core.alpha_head import AlphaHead
-from calm_core.artifact import LoadedArtifact
+from calm_core.artifact import ADAPTER_DIR, LoadedArtifact
 from calm_core.atomic import atomic_dir
 from calm_core.hashing import folder_index, index_mismatch
 from calm_core.paths import calm_home
@@ -56,8 +59,19 @@ def _build_into(target: Path):
     return atomic_dir(target, keep_existing=not target.exists())
 
 
+def served_weights_key(artifact: LoadedArtifact) -> str:
+    """What a version's served weights are made of: the base model's weights and the adapter's files (their hashes, as
+    its manifest records them). A manifest that records none (written before files were recorded): its version."""
+    adapter = sorted((name, digest) for name, digest in (artifact.manifest.files or {}).items()
+                     if name.startswith(f"{ADAPTER_DIR}/"))
+    if not adapter:
+        return artifact.manifest.artifact_version
+    made_of = json.dumps([artifact.manifest.base_model.weights_sha256, adapter]).encode()
+    return "adapter-" + hashlib.sha256(made_of).hexdigest()[:16]
+
+
 def _merged_target(artifact: LoadedArtifact, home: Path | None) -> Path:
-    return (home or calm_home()) / "merged" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+    return (home or calm_home()) / "merged" / served_weights_key(artifact)
 
 
 def built_merged_dir(base_model_path: str, artifact: LoadedArtifact, home: Path | None = None) -> Path | None:
@@ -120,7 +134,7 @@ def folded_model_dir(base_model_path: str, artifact: LoadedArtifact, home: Path 
     """Base (+ adapter merged) with LM-head row v scaled by d_v; tied input embeddings are untied first."""
     if not foldable(artifact.head):
         raise ValueError(f"artifact {artifact.manifest.artifact_version} has per-token shifts: its head cannot be folded")
-    target = (home or calm_home()) / "folded" / f"{artifact.manifest.artifact_version}-{artifact.manifest.head_sha256[:8]}"
+    target = (home or calm_home()) / "folded" / f"{served_weights_key(artifact)}-{artifact.manifest.head_sha256[:8]}"
     if cache_ready(target):
         return target
     import torch

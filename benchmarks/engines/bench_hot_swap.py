@@ -34,7 +34,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from calm_core.artifact import update_manifest  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from adapters.hosting.merged_weights import served_weights_key  # noqa: E402
+from calm_core.artifact import load_artifact, record_files, update_manifest  # noqa: E402
 from calm_core.data import load_mc  # noqa: E402
 from calm_core.db import Database  # noqa: E402
 from calm_core.paths import BUNDLED_DIR, calm_home  # noqa: E402
@@ -117,13 +120,19 @@ def main() -> None:
             memory_sampler = Client(sample_memory, 0.5)
             requests.start(), metrics.start(), memory_sampler.start()
             registry = Registry(Database(str(tmp / "gw.sqlite3")), tmp / "registry")  # the gateway's (settings.py)
-            windows = []
+            windows, swapped = [], []
             for i in range(args.rounds):
                 source = tmp / f"v{i}"
                 shutil.copytree(SHIPPED, source)
                 version = f"bench-swap-{i}"
-                update_manifest(source, artifact_version=version)
+                # An adapter file of its own, as a retrained version has: served copies are named by what their
+                # weights are made of, and a byte-identical adapter would be served by the shipped version's engines.
+                adapter = source / "adapter" / "adapter_model.safetensors"
+                save_file(load_file(str(adapter)), str(adapter), metadata={"format": "pt", "bench_round": str(i)})
+                update_manifest(source, artifact_version=version, files=None)
+                record_files(source)
                 registry.add(source, trigger="operator", domain="science")
+                swapped.append(load_artifact(source))
                 time.sleep(args.settle)
                 promoted = time.monotonic()
                 registry.promote(version, "science", actor="bench")
@@ -144,9 +153,10 @@ def main() -> None:
         log = OUT.parent / "logs" / "hot_swap.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(tmp / "gw.log", log)
-    for kind in ("merged", "folded"):  # each version's copies of the weights (~0.5 GB each) in CALM_HOME
-        for built in (calm_home() / kind).glob("bench-swap-*"):
-            shutil.rmtree(built)
+    for version in swapped:  # each version's copies of the weights (~0.5 GB each) in CALM_HOME
+        key = served_weights_key(version)
+        for built in [calm_home() / "merged" / key, *(calm_home() / "folded").glob(f"{key}-*")]:
+            shutil.rmtree(built, ignore_errors=True)
 
     def pooled(client: Client, phase: str) -> dict:
         return stats([s for w in windows for s in client.between(*w[phase])])
