@@ -8,6 +8,8 @@ the exact input texts, so a changed prompt, format or model never reuses stale s
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +62,11 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
             task = bar.add_task("encode", total=sum(len(qs) for qs in missing.values()))
             for path, qs in missing.items():
                 items[path] = fmt.encode(model, tokenizer, qs, first_trained, batch_size, lambda n: bar.advance(task, n))
-                tmp = path.with_suffix(".tmp")
+                # Two processes may encode a shared set at once (the suite's workers, two workers' jobs): each writes
+                # its own file, and the rename keeps one whole.
+                tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
                 torch.save(items[path], tmp)
-                tmp.rename(path)
+                os.replace(tmp, path)
     out: dict[str, dict[str, EncodedSet]] = {role: {} for role in ROLES}
     for (role, label, qs), path in zip(sets, paths):
         # Free-form questions have one "option", their answer: label 0 of 1.
