@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -87,6 +88,33 @@ def free_form_model(shipped_artifact, embedded_model_dir):
     if mode.adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(mode.adapter_dir)).eval()
     return model, tokenizer, mode.head
+
+
+@pytest.fixture(scope="session")
+def retrained_version(tmp_path_factory, shipped_artifact) -> Path:
+    """A second version: a few large CALM steps from the shipped one (another head; loop-smoke's method holds θ, so its
+    adapter is the shipped one's weights under another version), its free-form mode kept, as the retraining worker
+    makes them. Read only (a registry copies what it adds). Trained once per run: the files that
+    serve it (adapter modes, the fleet) share it, across pytest-xdist workers too (the second waits on the lock)."""
+    run = _run_dir(tmp_path_factory)
+    out = run / "retrained-version"
+    with open(run / "retrained-version.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():  # attach_free_form writes it atomically: there only once complete
+            _train_retrained_version(run / "retrained-run", shipped_artifact, out)
+    return out
+
+
+def _train_retrained_version(work: Path, shipped_artifact, out: Path) -> None:
+    from calm_core.artifact import FREE_FORM_DIR, attach_free_form
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    cfg = load_config("configs/train/loop-smoke.toml", out_dir=str(work), steps=2, lr_theta=1e-2, lr_alpha=0.3,
+                      init_from=str(shipped_artifact.path))
+    trainer = Trainer(cfg, show_progress=False).setup()
+    trainer.train()
+    attach_free_form(trainer.export({}), shipped_artifact.path / FREE_FORM_DIR, out)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ each request gets its version's adapter and its version's α head."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import numpy as np
 import openai
@@ -19,22 +17,8 @@ pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
 
 
-def retrained_version(tmp_path, shipped_artifact) -> Path:
-    """A second version: a few large CALM steps from the shipped one (another adapter and head), its free-form mode
-    kept, as the retraining worker makes them."""
-    from calm_core.artifact import FREE_FORM_DIR, attach_free_form
-    from training.config import load_config
-    from training.trainer import Trainer
-
-    cfg = load_config("configs/train/loop-smoke.toml", out_dir=str(tmp_path / "run"), steps=2, lr_theta=1e-2,
-                      lr_alpha=0.3, init_from=str(shipped_artifact.path))
-    trainer = Trainer(cfg, show_progress=False).setup()
-    trainer.train()
-    exported = trainer.export({})
-    return Path(attach_free_form(exported, shipped_artifact.path / FREE_FORM_DIR, tmp_path / "v2").artifact_version)
-
-
-def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shipped_artifact, shipped_model):
+def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shipped_artifact, shipped_model,
+                                               retrained_version):
     from calm_core.artifact import load_artifact
     from calm_core.db import Database
     from calm_core.registry import Registry
@@ -47,10 +31,10 @@ def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shi
     raw = cloze_option_probs(model, tokenizer, question, options)
     registry = Registry(Database(tmp_path / "g.db"), tmp_path / "registry")
     registry.ensure_default(shipped_artifact.path)
-    v2 = str(retrained_version(tmp_path, shipped_artifact))
-    registry.add(tmp_path / "v2", trigger="operator", domain="science")
+    second = load_artifact(retrained_version)  # tests/conftest.py: trained once per run
+    v2 = second.manifest.artifact_version
+    registry.add(retrained_version, trigger="operator", domain="science")
     registry.promote(v2, "science")
-    second = load_artifact(tmp_path / "v2")
     expected_v2 = cloze_option_probs(load_served_model(str(embedded_model_dir), second.adapter_dir), tokenizer, question,
                                      options, second.head.scale, second.head.shift)
     assert np.abs(np.array(expected_v2) - np.array(expected)).max() > 0.01  # the versions answer differently

@@ -33,12 +33,13 @@ FREE = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory, shipped_artifact):
-    """The shipped artifact and a retrained version (another adapter and head), as the worker writes them."""
-    from tests.test_adapter_modes import retrained_version
+def versions(shipped_artifact, retrained_version):
+    """The shipped artifact and a retrained version (another adapter and head), as the worker writes them (the run's
+    one retrained version, tests/conftest.py): their names, and the retrained one's folder."""
+    from calm_core.artifact import load_artifact
 
-    tmp = tmp_path_factory.mktemp("versions")
-    return shipped_artifact.manifest.artifact_version, str(retrained_version(tmp, shipped_artifact)), tmp / "v2"
+    v2 = load_artifact(retrained_version).manifest.artifact_version
+    return shipped_artifact.manifest.artifact_version, v2, retrained_version
 
 
 @pytest.fixture(scope="module")
