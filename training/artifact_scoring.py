@@ -43,6 +43,10 @@ def load_served_model(model_path: str, adapter_dir: Path | None, dtype: str = "f
     return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().eval()
 
 
+# PEFT config fields that are sets written as lists (layer_replication, for one, is ordered).
+UNORDERED_LORA_FIELDS = ("target_modules", "modules_to_save", "layers_to_transform", "exclude_modules")
+
+
 def same_weights(a: LoadedArtifact, b: LoadedArtifact) -> bool:
     """Whether two versions serve the same weights and differ by their heads (and post-hoc maps) alone, as a head-only
     candidate (CALM with θ held) and its parent do: neither has an adapter, or their adapters' shapes and tensors are
@@ -53,10 +57,10 @@ def same_weights(a: LoadedArtifact, b: LoadedArtifact) -> bool:
 
     def shape(artifact: LoadedArtifact) -> dict:
         config = json.loads((artifact.adapter_dir / "adapter_config.json").read_text())
-        # Where the base model was read from does not change the weights; PEFT writes target_modules, a set, in any
-        # order (the loop's head-only candidates list their parent's modules in another).
-        return {k: sorted(v, key=str) if isinstance(v, list) else v for k, v in config.items()
-                if k not in ("base_model_name_or_path", "revision")}
+        # Where the base model was read from does not change the weights; PEFT writes its sets of modules and layers
+        # in any order (the loop's head-only candidates list their parent's target modules in another).
+        return {k: sorted(v, key=str) if k in UNORDERED_LORA_FIELDS and isinstance(v, list) else v
+                for k, v in config.items() if k not in ("base_model_name_or_path", "revision")}
 
     if shape(a) != shape(b):
         return False
@@ -69,18 +73,22 @@ def served_probabilities(versions: list[LoadedArtifact], model_path: str,
     """Each version's option probabilities on each set, scored as the gateway serves it. Versions with the same
     weights (same_weights) share one load of the model and one forward pass per question: only their heads differ."""
     tokenizer = load_tokenizer(model_path)
-    out: list[list[np.ndarray] | None] = [None] * len(versions)
+    out: list[list[np.ndarray]] = [[] for _ in versions]
+    done: set[int] = set()
     for n, version in enumerate(versions):
-        if out[n] is not None:
+        if n in done:
             continue
-        sharing = [m for m in range(n, len(versions)) if out[m] is None and same_weights(version, versions[m])]
-        model, memo = load_served_model(model_path, version.adapter_dir), {}
-        for m in sharing:
-            manifest = versions[m].manifest
-            out[m] = [option_probabilities(model, tokenizer, qs, manifest.answer_format, versions[m].head,
-                                           option_temperature=manifest.option_temperature, memo=memo) if qs else
-                      np.zeros((0, 0)) for qs in question_sets]
-        del model, memo
+        sharing = [n] + [m for m in range(n + 1, len(versions)) if m not in done and same_weights(version, versions[m])]
+        done.update(sharing)
+        model = load_served_model(model_path, version.adapter_dir)
+        for qs in question_sets:  # a memo per set, only where versions share it: memory bounded by one set
+            memo = {} if len(sharing) > 1 else None
+            for m in sharing:
+                manifest = versions[m].manifest
+                out[m].append(option_probabilities(model, tokenizer, qs, manifest.answer_format, versions[m].head,
+                                                   option_temperature=manifest.option_temperature, memo=memo)
+                              if qs else np.zeros((0, 0)))
+        del model
     return out
 
 

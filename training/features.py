@@ -65,8 +65,11 @@ def encode_sets(model, tokenizer, split: MaterializedSplit, first_trained: int, 
                 # Two processes may encode a shared set at once (the suite's workers, two workers' jobs): each writes
                 # its own file, and the rename keeps one whole.
                 tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-                torch.save(items[path], tmp)
-                os.replace(tmp, path)
+                try:
+                    torch.save(items[path], tmp)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)  # a failed write leaves no stray copy (hundreds of MB)
     out: dict[str, dict[str, EncodedSet]] = {role: {} for role in ROLES}
     for (role, label, qs), path in zip(sets, paths):
         # Free-form questions have one "option", their answer: label 0 of 1.

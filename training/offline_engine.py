@@ -174,7 +174,7 @@ class OfflineEngine:
                 mask[row, : len(ids)] = 1
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
             for row, (_, ids) in enumerate(todo):
-                memo[ids] = logits[row, len(ids) - 1 : len(ids)]
+                memo[ids] = logits[row, len(ids) - 1 : len(ids)].clone()  # a view would keep the batch's logits
         return [self._delta(request, ids, memo[ids]) for request, ids in batch]
 
     def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor) -> EngineDelta:
