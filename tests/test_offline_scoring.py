@@ -114,12 +114,15 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
     load, run = scoring.load_served_model, engine.run_layers_masked
     monkeypatch.setattr(scoring, "load_served_model", lambda *a, **k: loads.append(a) or load(*a, **k))
     monkeypatch.setattr(engine, "run_layers_masked", lambda *a, **k: packed_forwards.append(1) or run(*a, **k))
-    together = scoring.served_probabilities(versions, str(embedded_model_dir), questions)
+    # Three sets, as the gate scores them (captured prompts, test questions, uploaded labels: here none).
+    sets = (questions[:4], questions[4:], [])
+    together = scoring.served_probabilities(versions, str(embedded_model_dir), *sets)
     assert len(loads) == 2  # the shipped adapter's four versions: one load; the other adapter: its own
-    assert len(packed_forwards) == 2  # cloze: one batch of the 6 questions per set of weights, not one per version
+    assert len(packed_forwards) == 4  # cloze: one batch per set and set of weights, not one per version
+    assert [len(p[2]) for p in together] == [0] * 5
     model, tokenizer = served
     for (name, (h, _, fmt)), probs in zip(list(made.items())[:4], together):
-        alone = option_probabilities(model, tokenizer, questions, fmt, h)
-        np.testing.assert_allclose(probs[0], alone, atol=1e-6, err_msg=name)
+        for got, qs in zip(probs, sets[:2]):
+            np.testing.assert_allclose(got, option_probabilities(model, tokenizer, qs, fmt, h), atol=1e-6, err_msg=name)
     assert np.abs(together[0][0] - together[1][0]).max() > 0.01  # each head applied to its own version
     assert np.abs(together[4][0] - together[0][0]).max() > 1e-3  # the other adapter's own forward pass
