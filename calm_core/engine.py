@@ -44,6 +44,10 @@ class EngineRequest:
     # With prompt_logprobs: read the engine's prefix cache anyway. The prompt's cached blocks are not recomputed, so
     # their positions come back as NaN; only the tokens after them get log-probs (engines with `prefix_reuse`).
     reuse_prefix: bool = False
+    # With prompt_logprobs: the first prompt position the caller reads. An engine may leave the positions before it NaN
+    # (vLLM returns them all; the offline engine runs its LM head only from there: most of a cloze prompt is the
+    # question, whose log-probs no scorer reads, and its LM head is a third of a packed question's cost).
+    prompt_logprobs_from: int = 0
     free_form: bool = False  # run on the artifact's free-form mode: its weights and its α head (`free_form_mode`)
     # OpenAI / vLLM sampling parameters, passed to the engine unchanged (defaults: vLLM's "off" values).
     n: int = 1  # completions from one prompt; vLLM gives child i the seed `seed + i`

@@ -126,3 +126,41 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
             np.testing.assert_allclose(got, option_probabilities(model, tokenizer, qs, fmt, h), atol=1e-6, err_msg=name)
     assert np.abs(together[0][0] - together[1][0]).max() > 0.01  # each head applied to its own version
     assert np.abs(together[4][0] - together[0][0]).max() > 1e-3  # the other adapter's own forward pass
+
+
+def test_the_offline_engine_runs_its_lm_head_only_where_prompt_log_probs_are_read(served, shipped_artifact, shared_data):
+    """A cloze option's request says from which prompt position its log-probs are read (the option's tokens, after the
+    question): the offline engine runs the LM head on the packed question from there, and the positions read are the
+    numbers of a request that reads them all (1e-6); those before come back NaN."""
+    import asyncio
+
+    from calm_core.engine import EngineRequest, generate
+
+    model, tokenizer = served
+    question = load_mc("arc_easy", "test", shared_data)[0]
+    prompt = tuple(tokenizer(question.question + "\nAnswer:", add_special_tokens=False)["input_ids"])
+    options = [tuple(tokenizer(" " + c, add_special_tokens=False)["input_ids"]) for c in question.choices]
+    n = len(prompt)
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+
+    def answers(read_from: int):
+        engine = OfflineEngine(model, tokenizer, shipped_artifact.head)
+        requests = [EngineRequest(request_id=str(k), prompt="", prompt_token_ids=prompt + o, max_tokens=1,
+                                  prompt_logprobs=True, folded=True, calibrated=False, prompt_logprobs_from=read_from)
+                    for k, o in enumerate(options)]
+
+        async def run():
+            return await asyncio.gather(*(generate(engine, r) for r in requests))
+        return asyncio.run(run())
+
+    try:
+        whole, read = answers(0), answers(n)
+    finally:
+        hook.remove()
+    assert rows[1] == rows[0] - (n - 1) and n > 10  # one packed question each time; the question's rows skipped
+    for o, a, b in zip(options, whole, read):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == n + len(o)
+        assert all(np.isnan(b.prompt_logprobs[: n]))
+        np.testing.assert_allclose(b.prompt_logprobs[n:], a.prompt_logprobs[n:], atol=1e-6)
+        assert a.token_ids == b.token_ids and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-6)

@@ -45,6 +45,14 @@ def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return n
 
 
+def first_read_row(request: EngineRequest, length: int) -> int:
+    """The first position whose logits a request reads: the one predicting its first read prompt token (the last
+    position, the next token, is always read)."""
+    if not request.prompt_logprobs:
+        return length - 1
+    return min(max(request.prompt_logprobs_from - 1, 0), length - 1)
+
+
 def prefix_groups(pending: list[Pending]) -> list[list[Pending]]:
     """Requests whose token ids share at least half of the shorter one's length, grouped (sorted by ids, so the
     options of a question sit together)."""
@@ -153,11 +161,15 @@ class OfflineEngine:
                 memo[keys[n]] = stack.norm(hidden[row, : len(packed[row].input_ids)])
         deltas = []
         for group, key, (prefix, _) in zip(groups, keys, layouts):
-            logits, start = lm_head(memo[key]).float(), prefix
-            for request, own in group:
+            firsts = [first_read_row(request, len(own)) for request, own in group]
+            # The LM head over the packed row from the first position any request reads: the prefix's read rows, then
+            # every continuation.
+            top = min(min(firsts), prefix)
+            logits, start = lm_head(memo[key][top:]).float(), prefix
+            for (request, own), first in zip(group, firsts):
                 rows = list(range(prefix)) + list(range(start, start + len(own) - prefix))
                 start += len(own) - prefix
-                deltas.append(self._delta(request, own, logits[rows]))
+                deltas.append(self._delta(request, own, logits[[row - top for row in rows[first:]]], first))
         return deltas
 
     @torch.inference_mode()
@@ -177,7 +189,8 @@ class OfflineEngine:
                 memo[ids] = logits[row, len(ids) - 1 : len(ids)].clone()  # a view would keep the batch's logits
         return [self._delta(request, ids, memo[ids]) for request, ids in batch]
 
-    def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor) -> EngineDelta:
+    def _delta(self, request: EngineRequest, ids: tuple[int, ...], logits: torch.Tensor, first: int = 0) -> EngineDelta:
+        """`logits`: the rows of positions `first` to the last; prompt log-probs before `first` + 1 stay NaN."""
         last = logits[-1].double()
         if request.calibrated:
             last = self.scale.double() * last + self.shift.double()
@@ -189,7 +202,8 @@ class OfflineEngine:
         prompt_lps = None
         if request.prompt_logprobs:
             body = self.scale * logits[:-1] + self.shift if request.folded else logits[:-1]
-            picked = torch.log_softmax(body, -1).gather(1, torch.tensor(ids[1:], device=self.device)[:, None]).squeeze(1)
-            prompt_lps = [math.nan] + [float(v) for v in picked]
+            targets = torch.tensor(ids[first + 1 :], device=self.device)[:, None]
+            picked = torch.log_softmax(body, -1).gather(1, targets).squeeze(1)
+            prompt_lps = [math.nan] * (first + 1) + [float(v) for v in picked]
         return EngineDelta(text=self.tokenizer.decode([token]), token_ids=[token], token_logprobs=[top[token]],
                            top_logprobs=[top], finish_reason="length", prompt_tokens=len(ids), prompt_logprobs=prompt_lps)

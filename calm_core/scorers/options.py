@@ -150,7 +150,7 @@ class ClozeOnePassScorer(_ClozeScorer):
             return replace(request, request_id=f"{request.request_id}-{k}{'' if reuse or k == 0 else '-whole'}",
                            prompt="", prompt_token_ids=tokens.prompt + option, max_tokens=1, temperature=0.0, top_p=1.0,
                            seed=None, n=1, option_token_ids=(), top_logprobs=0, prompt_logprobs=True,
-                           folded=calibrated, calibrated=False, reuse_prefix=reuse)
+                           folded=calibrated, calibrated=False, reuse_prefix=reuse, prompt_logprobs_from=n_prompt)
 
         def option_logprobs(option: tuple[int, ...], out: EngineOutput) -> list[float]:
             return (out.prompt_logprobs or [])[n_prompt : n_prompt + len(option)]
