@@ -62,7 +62,8 @@ class TrainConfig(BaseModel):
     cft_bins: int = Field(10, gt=0)
     reg_weight: float = Field(0.1, ge=0)
 
-    eval_every: int = Field(50, gt=0)
+    # 0: no quick evaluation (a retraining job's free-form stage scores its candidate as served after training).
+    eval_every: int = Field(50, ge=0)
     checkpoint_every: int = Field(25, gt=0)
     encode_batch_size: int = Field(16, gt=0)
 

@@ -197,7 +197,7 @@ class Trainer:
                 self.step += 1
                 record.update(step=self.step, seconds=time.perf_counter() - start,
                               alpha_scale_mean=float(self.alpha.rows(self.tracked_tokens)[0].detach().mean()))
-                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     record.update({f"val_{k}": v for k, v in self.quick_eval().items()})
                 self.history.append(record)
                 metrics_log.write(json.dumps(record) + "\n")
