@@ -110,8 +110,9 @@ class GatewaySettings(BaseSettings):
     body_timeout_s: float = Field(default=60.0, gt=0)  # and its body this long after its headers, else closed
     default_top_logprobs: int = 5
     # The answers served: "multiple_choice" refuses free-form requests (no options, neither `options` nor "A. ..." lines
-    # in the prompt) with a 400, so that in process no engine is started for them: not the free-form mode's (~1.9 GB
-    # and 8-10 CPU s of start-up on CPU), nor, beside merged adapter weights, the base weights' (upstream: refused only).
+    # in the prompt) with a 400, so that in process no engine is started for them: not the free-form mode's (1.65 GB
+    # and 9 CPU s of start-up on CPU: benchmarks/results/engine_start_answers.md), nor, beside merged adapter weights,
+    # the base weights'. Upstream, the version's free-form mode is not loaded on the fleet's engines.
     answers: Literal["all", "multiple_choice"] = "all"
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Free form only when asked: token confidence's raw number is a second prefill of prompt + answer, 1.66x the
