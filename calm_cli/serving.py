@@ -53,7 +53,8 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
     default) or by vLLM's LoRA kernels in the same engine ("lora", CUDA's default), and as a vLLM LoRA by the
     `calm engine` server. In-process, a cloze head that folds into the LM head gets a third engine on the
     folded weights (one-pass option scoring, adapters/hosting/merged_weights.py), and an artifact with a free-form mode one
-    more on that mode's merged weights with its own head."""
+    more on that mode's merged weights with its own head, unless the gateway serves multiple choice only
+    (CALM_ANSWERS)."""
     artifact = artifact if artifact is not None else load_artifact(artifact_path)
     adapter = artifact.adapter_dir
     engine = resolve(settings.engine_overrides())
@@ -66,10 +67,11 @@ def engine_config(settings, model: ResolvedModel, artifact_path: Path, artifact=
         return EngineConfig(**common, **lora, registry_dir=str(settings.registry_root))
     one_pass = (settings.one_pass_scoring and artifact.manifest.answer_format == "cloze" and foldable(artifact.head))
     folded = str(folded_model_dir(model.path, artifact)) if one_pass else None
-    free_form = {}
-    if artifact.manifest.free_form_version is not None:  # an engine of its own: its weights and its head
+    free_form = dict(free_form_answers=settings.free_form_answers)
+    # An engine of its own (its weights and its head), neither merged nor started where free form is refused.
+    if artifact.manifest.free_form_version is not None and settings.free_form_answers:
         inner = artifact.free_form
-        free_form = dict(free_form_model_path=str(merged_model_dir(model.path, inner)),
+        free_form.update(free_form_model_path=str(merged_model_dir(model.path, inner)),
                          free_form_artifact_path=str(inner.path))
     common["option_prefix_reuse"] = settings.option_prefix_reuse
     if engine.adapter_mode == "lora":  # one engine applies the adapter per request (vLLM's multi-LoRA kernels)
@@ -142,10 +144,12 @@ def build_gateway(settings):
 
 
 def upstream_engine(settings, artifact):
-    """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request."""
+    """A client of the fleet's vLLM servers that names this artifact version (its adapter and head) in every request;
+    its free-form mode is loaded on the engines only where the gateway serves free form (CALM_ANSWERS)."""
     from adapters.clients.upstream import UpstreamVLLMEngine
 
-    free_form = artifact.free_form if artifact.manifest.free_form_version is not None else None
+    served = artifact.manifest.free_form_version is not None and settings.free_form_answers
+    free_form = artifact.free_form if served else None
     return UpstreamVLLMEngine(
         settings.upstream_urls, settings.served_model_name, artifact.manifest.artifact_version, settings.max_model_len,
         settings.upstream_timeout_s, settings.upstream_connect_timeout_s, has_adapter=artifact.manifest.has_adapter,

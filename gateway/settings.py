@@ -109,6 +109,11 @@ class GatewaySettings(BaseSettings):
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0)  # and its body this long after its headers, else closed
     default_top_logprobs: int = 5
+    # The answers served: "multiple_choice" refuses free-form requests (no options, neither `options` nor "A. ..." lines
+    # in the prompt) with a 400, so that in process no engine is started for them: not the free-form mode's (1.65 GB
+    # and 9 CPU s of start-up on CPU: benchmarks/results/engine_start_answers.md), nor, beside merged adapter weights,
+    # the base weights'. Upstream, the version's free-form mode is not loaded on the fleet's engines.
+    answers: Literal["all", "multiple_choice"] = "all"
     raw_confidence: bool = True  # default for multiple choice; a request overrides it with calm.raw_confidence
     # Free form only when asked: token confidence's raw number is a second prefill of prompt + answer, 1.66x the
     # engine's CPU per answer (benchmarks/results/free_form_batching.md).
@@ -147,6 +152,10 @@ class GatewaySettings(BaseSettings):
         if self.db_url:
             return calm_home() / "registry"
         return self.db_path.parent / "registry"
+
+    @property
+    def free_form_answers(self) -> bool:
+        return self.answers == "all"
 
     @property
     def engine_sequences_per_request(self) -> int:

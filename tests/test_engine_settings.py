@@ -233,3 +233,59 @@ def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_woul
     assert configs[0] == configs[1]
     again = AutoTokenizer.from_pretrained(copied)
     assert again.get_vocab() == original.get_vocab() and again.chat_template == original.chat_template
+
+
+@pytest.mark.parametrize("merged, folded, free_form_mode, free_form_answers, engines", [
+    # merged adapter (CPU's default), one-pass scoring, a free-form mode: the shipped artifact as a gateway serves it
+    (True, True, True, True, ["adapter", "folded", "free_form"]),
+    (True, True, True, False, ["adapter", "folded"]),  # CALM_ANSWERS=multiple_choice: one engine fewer
+    # no free-form mode: free form runs on the base weights, unless it is refused
+    (True, True, False, True, ["base", "adapter", "folded"]),
+    (True, False, False, False, ["adapter"]),
+    # no adapter, or the adapter as a vLLM LoRA (CUDA's default): multiple choice runs on the base engine
+    (False, True, True, False, ["base", "folded"]),
+    (False, False, True, True, ["base", "free_form"]),
+    (False, False, False, False, ["base"]),
+])
+def test_a_version_starts_the_engines_of_the_answers_it_serves(merged, folded, free_form_mode, free_form_answers,
+                                                               engines):
+    from adapters.clients.inprocess import engine_weights
+    from adapters.vllm_plugins.common import EngineConfig
+
+    config = EngineConfig(model_path="base", artifact_path="artifact", merged_model_path="merged" if merged else None,
+                          folded_model_path="folded" if folded else None,
+                          free_form_model_path="free-form" if free_form_mode else None,
+                          free_form_artifact_path="free-form-artifact" if free_form_mode else None,
+                          free_form_answers=free_form_answers)
+    assert list(engine_weights(config)) == engines
+
+
+def test_a_multiple_choice_only_gateway_builds_no_copy_of_the_free_form_modes_weights(monkeypatch, shipped_artifact):
+    """engine_config, as `calm serve` and every version it loads later use it: with CALM_ANSWERS=multiple_choice the
+    free-form mode's weights are neither merged nor served (a retrained mode would otherwise be merged on load)."""
+    import calm_cli.serving as serving
+    from calm_core.models import resolve_model
+    from gateway.settings import GatewaySettings
+
+    merged = []  # the versions whose weights were merged with their adapter
+
+    def merge(base, artifact):
+        merged.append(artifact.manifest.artifact_version)
+        return f"merged {artifact.manifest.artifact_version}"
+
+    monkeypatch.setattr(serving, "merged_model_dir", merge)
+    monkeypatch.setattr(serving, "folded_model_dir", lambda base, artifact: "folded")
+    model = resolve_model(None, "float32")
+    version, mode = shipped_artifact.manifest.artifact_version, shipped_artifact.free_form.manifest.artifact_version
+
+    def config(**settings):
+        merged.clear()
+        return serving.engine_config(GatewaySettings(device="cpu", **settings), model, shipped_artifact.path,
+                                     shipped_artifact, inprocess=True)
+
+    served = config()
+    assert (served.free_form_model_path, served.free_form_answers, sorted(merged)) == (f"merged {mode}", True,
+                                                                                      sorted([version, mode]))
+    refused = config(answers="multiple_choice")
+    assert (refused.free_form_model_path, refused.free_form_artifact_path, refused.free_form_answers) == (None, None, False)
+    assert merged == [version] and refused.merged_model_path == f"merged {version}"

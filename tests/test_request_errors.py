@@ -140,3 +140,47 @@ def test_a_json_body_sent_as_a_form_is_told_to_say_it_is_json(http, method, path
                                                                  "Content-Type": "application/x-www-form-urlencoded"})
     assert refused.status_code == 400
     assert "Content-Type: application/json" in refused.json()["error"]["message"]
+
+
+def test_a_multiple_choice_only_gateway_refuses_every_free_form_request_with_a_400_and_answers_options(tmp_path):
+    """CALM_ANSWERS=multiple_choice starts no engine for free form: each way a free-form answer is asked for (chat,
+    streamed or not, completions, the Responses API, free-form labels) is told so in OpenAI's error shape, never a 500
+    or a 503 from the missing engine; multiple choice is answered as before, with options sent or written in the text."""
+    from tests.test_gateway_logic import LetterEngine, science_app
+
+    class Described(LetterEngine):
+        def describe(self) -> dict:
+            return {"kind": "fake"}
+
+    with TestClient(science_app(tmp_path, Described(), answers="multiple_choice")) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        asked = [
+            lambda: client.chat.completions.create(model="m", max_tokens=4, messages=QUESTION),
+            lambda: client.chat.completions.create(model="m", max_tokens=4, messages=QUESTION, stream=True),
+            lambda: client.completions.create(model="m", max_tokens=4, prompt="hello"),
+            lambda: client.completions.create(model="m", max_tokens=4, prompt=["hello", "hello"]),
+            lambda: client.responses.create(model="m", input="hello"),
+            lambda: client.responses.create(model="m", input="hello", stream=True),
+        ]
+        for ask in asked:
+            with pytest.raises(openai.BadRequestError) as refused:
+                ask()
+            error = refused.value.body
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "options",
+                                                                      "free_form_not_served")
+            assert error["message"] == ("this gateway serves multiple-choice answers only "
+                                        "(CALM_ANSWERS=multiple_choice): send `options`")
+        mixed = [{"question": "hello", "options": ["x", "y"], "answer": 0}, {"question": "hello", "answers": ["Hi"]}]
+        labels = http.post("/admin/labels/science", json={"questions": mixed}, headers=ADMIN)
+        assert (labels.status_code, labels.json()["error"]["param"]) == (400, "questions"), labels.text
+        alone = http.post("/admin/labels/science", json={"questions": mixed[:1]}, headers=ADMIN).json()
+        assert alone["labels"] == 1  # the refused upload stored none of its questions
+
+        chosen = client.chat.completions.create(model="m", messages=QUESTION, extra_body={"options": ["x", "y"]})
+        assert chosen.choices[0].message.content == "A"
+        written = client.completions.create(model="m", max_tokens=1, prompt="hello\nA. x\nB. y\nAnswer:")
+        assert written.choices[0].model_extra["calibration"]["mode"] == "multiple_choice"
+        health = http.get("/health", headers=ADMIN).json()
+        assert health["scoring"]["free_form"].startswith("refused: this gateway serves multiple-choice answers only")
+        metrics = http.get("/metrics").text
+    assert 'calm_requests_total{domain="other",endpoint="chat",status="400"} 2.0' in metrics

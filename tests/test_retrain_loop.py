@@ -88,9 +88,11 @@ path = "{test_file}"
                                   "configs/train/loop-smoke.toml", str(bad_train)).replace(str(test_file), str(bad_tests)))
     assert str(bad_tests) in (tmp / "bad.toml").read_text()
     # A 100-answer drift window against a reference of 120 captured prompts: PSI's sampling noise stays near 0.06 for
-    # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25.
+    # traffic like the reference's (0.2 with 60 and 50, measured offline), well under the rule's 0.25. Every question
+    # here is multiple choice (the jobs' judging runs in the worker, on engines of its own): the gateway starts no
+    # engine for free form (the free-form mode shared by every version: 1.65 GB and 9 CPU s of start-up).
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_RAW_CONFIDENCE": "false",
-           "CALM_REGISTRY_POLL_S": "1"}
+           "CALM_REGISTRY_POLL_S": "1", "CALM_ANSWERS": "multiple_choice"}
 
     with loop_stack(tmp, gw_port, tmp / "loop.toml", env) as stack:
         yield stack
@@ -114,7 +116,17 @@ def send(gateway: str, questions: list[dict]) -> list[dict]:
 @pytest.mark.timeout(1800)
 def test_drift_alert_retrains_on_captured_traffic_gates_promotes_and_the_domain_serves_the_new_version(loop, shared_data):
     gateway, tmp, prometheus = loop["gateway"], loop["tmp"], loop["prometheus"]
-    before_version = http.get(f"{gateway}/health", headers=ADMIN).json()["versions"]["routes"]["*"]
+    health = http.get(f"{gateway}/health", headers=ADMIN).json()
+    before_version = health["versions"]["routes"]["*"]
+    # CALM_ANSWERS=multiple_choice: the shipped version without its free-form mode's engine (3 otherwise: adapter,
+    # folded, free_form), and a free-form question refused in OpenAI's error shape.
+    assert health["engine"]["engines"] == ["adapter", "folded"], health["engine"]
+    assert "starting 2 vLLM engines (adapter, folded)" in (tmp / "gw.log").read_text()
+    refused = http.post(f"{gateway}/v1/chat/completions", timeout=60, json={
+        "model": "calm-smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]})
+    assert refused.status_code == 400, refused.text
+    assert {k: refused.json()["error"][k] for k in ("type", "param", "code")} == {
+        "type": "invalid_request_error", "param": "options", "code": "free_form_not_served"}, refused.text
 
     # In-domain first: held-out grade-school science questions, from the population the shipped version's reference
     # histogram was built on. The alert stays quiet.

@@ -90,6 +90,19 @@ def lora_id(adapter_path: str) -> int:
     return _LORA_IDS.setdefault(os.path.abspath(adapter_path), len(_LORA_IDS) + 1)
 
 
+def engine_weights(cfg: EngineConfig) -> dict[str, str]:
+    """The weights each engine of a version serves: "base", and "adapter" (merged), "folded" and "free_form" where
+    configured. With merged adapter weights multiple choice never runs on the base weights (it runs on the adapter's
+    and the folded copy's), and free form only where the artifact has no free-form mode (one fitted to multiple choice
+    only answers it there, without a head): the base engine starts only where free form is served without such a
+    mode. Free form refused (`free_form_answers` false), no engine is kept for it."""
+    free_form_on_base = cfg.free_form_answers and cfg.free_form_model_path is None
+    unused_base = cfg.merged_model_path is not None and not free_form_on_base
+    paths = {"base": None if unused_base else cfg.model_path, "adapter": cfg.merged_model_path,
+             "folded": cfg.folded_model_path, "free_form": cfg.free_form_model_path if cfg.free_form_answers else None}
+    return {w: p for w, p in paths.items() if p}
+
+
 class InProcessVLLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -97,7 +110,7 @@ class InProcessVLLMEngine:
         self.artifact_version = load_artifact(config.artifact_path).manifest.artifact_version
         self.max_model_len = config.max_model_len
         self.folded_scoring = config.folded_model_path is not None
-        self.free_form_mode = config.free_form_model_path is not None
+        self.free_form_mode = "free_form" in engine_weights(config)
         self.prompt_logprobs = True  # returns prompt log-probs (raw free-form confidence, one-pass scoring)
         # Prompt log-probs may be read after the prefix cache (`reuse_prefix`), where every engine caches prefixes, in
         # blocks of `prefix_block` tokens (both read from the engines once started).
@@ -298,14 +311,7 @@ class InProcessVLLMEngine:
             raise EngineRejected(str(e)) from None
 
     def _weights(self) -> dict[str, str]:
-        """The weights each engine serves: "base", and "adapter" (merged), "folded" and "free_form" where configured.
-        With merged adapter weights and a free-form mode no request runs on the base weights (multiple choice runs on
-        the adapter's, free form on the mode's), so no base engine is started."""
-        cfg = self.config
-        unused_base = cfg.merged_model_path is not None and cfg.free_form_model_path is not None
-        paths = {"base": None if unused_base else cfg.model_path, "adapter": cfg.merged_model_path,
-                 "folded": cfg.folded_model_path, "free_form": cfg.free_form_model_path}
-        return {w: p for w, p in paths.items() if p}
+        return engine_weights(self.config)
 
     def describe(self) -> dict:
         adapter = "merged" if self.config.merged_model_path else ("lora" if self.config.adapter_path else None)

@@ -140,6 +140,8 @@ class EngineConfig:
     # (in-process: an engine of its own, since a logits processor holds one head per engine).
     free_form_model_path: str | None = None
     free_form_artifact_path: str | None = None
+    # False where the gateway refuses free-form requests (CALM_ANSWERS=multiple_choice): no engine is kept for them.
+    free_form_answers: bool = True
     registry_dir: str | None = None  # where versions named per request are looked up (a fleet's shared registry)
     option_prefix_reuse: bool = True  # one-pass options read the question's cached blocks (needs prefix caching)
 

@@ -4,13 +4,17 @@
 that runs the model) and "uni" (the model runs in the engine-core process; our CPU default).
 `--compare start`: how the engine-core processes start (both "uni"), "spawn" (vLLM's CPU default: a fresh interpreter
 per engine) and "forkserver" (forked from one server that imported vLLM once; our CPU default).
+`--compare answers`: CALM_ANSWERS "all" (the default: the free-form mode's engine too) and "multiple_choice" (no engine
+for free form; a free-form request is refused with a 400, checked here).
 
 Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
-process tree had used by then, then seconds for 64 ARC-Easy multiple-choice questions at concurrency 8, the tree's
-memory (PSS) after them, and the option probabilities (both ways must give the same numbers).
+process tree had used by then, the tree's CPU and memory (PSS) once one multiple-choice answer is served, then seconds
+for 64 ARC-Easy multiple-choice questions at concurrency 8, the tree's CPU and memory after them, the engines /health
+names, and the option probabilities (both ways must give the same numbers).
 
-    python benchmarks/engines/bench_engine_start.py [--compare executor|start] [--rounds 2]
-        -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start)
+    python benchmarks/engines/bench_engine_start.py [--compare executor|start|answers] [--rounds 2]
+        -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start),
+           engine_start_answers.{json,md} (answers)
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from tests.servers import calm_argv, free_port, running  # noqa: E402
 
 # The ways compared: name -> the gateway's environment for it.
 WAYS = {"executor": {"mp": {"CALM_EXECUTOR": "mp"}, "uni": {"CALM_EXECUTOR": "uni"}},
-        "start": {"spawn": {"CALM_ENGINE_START": "spawn"}, "forkserver": {"CALM_ENGINE_START": "forkserver"}}}
-OUT = {"executor": "engine_start", "start": "engine_start_forkserver"}
-SHARED_DATA = REPO.parent / "shared" / "data"
+        "start": {"spawn": {"CALM_ENGINE_START": "spawn"}, "forkserver": {"CALM_ENGINE_START": "forkserver"}},
+        "answers": {"all": {"CALM_ANSWERS": "all"}, "multiple_choice": {"CALM_ANSWERS": "multiple_choice"}}}
+OUT = {"executor": "engine_start", "start": "engine_start_forkserver", "answers": "engine_start_answers"}
+ADMIN = {"Authorization": "Bearer dev-admin-key"}  # /health names the engines to the admin only
 
 
 def ask(base: str, q) -> list[float]:
@@ -58,12 +63,21 @@ def one_run(way: str, env: dict, questions, work: Path) -> dict:
         # User + system CPU of the gateway and its live processes (none of them has ended by then).
         ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
         ask(base, questions[0])  # the first request starts vLLM's output handlers
+        first_cpu, first_pss = sum(tree_cpu_s(proc.pid).values()), tree_pss_gb(proc.pid)
         t1 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             probabilities = list(pool.map(lambda q: ask(base, q), questions))
         answered = time.monotonic() - t1
-        pss = tree_pss_gb(proc.pid)
-    return {"way": way, "ready_s": ready, "ready_cpu_s": ready_cpu, "questions_s": answered, "pss_gb": pss,
+        cpu, pss = sum(tree_cpu_s(proc.pid).values()), tree_pss_gb(proc.pid)
+        engines = httpx.get(f"{base}/health", headers=ADMIN, timeout=30).json()["engine"]["engines"]
+        started = next(line.strip() for line in (work / f"{way}.log").read_text().splitlines() if "vLLM engines" in line)
+        # Last, so that a free-form answer's work is in none of the numbers above.
+        free_form = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+            "model": "calm-smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]})
+    return {"way": way, "ready_s": ready, "ready_cpu_s": ready_cpu, "first_answer_cpu_s": first_cpu,
+            "first_answer_pss_gb": first_pss, "questions_s": answered, "cpu_s": cpu, "pss_gb": pss, "engines": engines,
+            "start_line": started,
+            "free_form_status": free_form.status_code, "free_form_error": free_form.json().get("error"),
             "probabilities": probabilities}
 
 
@@ -76,16 +90,19 @@ def main() -> None:
     out = args.out or REPO / "benchmarks" / "results" / OUT[args.compare]
     ways = WAYS[args.compare]
     (a, b) = ways  # the default of vLLM's CPU platform, then ours
-    questions = load_mc("arc_easy", "test", root=SHARED_DATA)[:64]
+    questions = load_mc("arc_easy", "test")[:64]  # from $CALM_DATA_DIR, else the checkout's ../shared/data
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for way, env in ways.items():
                 run = one_run(way, env, questions, Path(tmp))
                 print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
-                      f"64 questions in {run['questions_s']:.1f} s, {run['pss_gb']:.2f} GB", flush=True)
+                      f"one answer: {run['first_answer_cpu_s']:.1f} CPU s, {run['first_answer_pss_gb']:.2f} GB; "
+                      f"64 questions in {run['questions_s']:.1f} s, {run['cpu_s']:.1f} CPU s, {run['pss_gb']:.2f} GB; "
+                      f"engines {', '.join(run['engines'])}; free form: {run['free_form_status']}\n  {run['start_line']}",
+                      flush=True)
                 runs.append(run)
-    keys = ("ready_s", "ready_cpu_s", "questions_s", "pss_gb")
+    keys = ("ready_s", "ready_cpu_s", "first_answer_cpu_s", "first_answer_pss_gb", "questions_s", "cpu_s", "pss_gb")
     by = {w: [r for r in runs if r["way"] == w] for w in ways}
     median = {w: {k: statistics.median(r[k] for r in by[w]) for k in keys} for w in ways}
     diff = max(abs(x - y) for ra, rb in zip(by[a], by[b])
@@ -96,15 +113,21 @@ def main() -> None:
                f"throughput_ratio_{b}_over_{a}": median[a]["questions_s"] / median[b]["questions_s"],
                "runs": [{k: v for k, v in r.items() if k != "probabilities"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start"}[args.compare]
+    what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start",
+            "answers": "The answers a gateway serves (CALM_ANSWERS)"}[args.compare]
     lines = [f"# {what} under `calm serve` (`python benchmarks/engines/bench_engine_start.py --compare {args.compare}`)", "",
-             f"The shipped gateway (3 engines), {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
-             "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree, launch to /health 200; memory: its "
-             "PSS after the questions.", "",
-             f"| {args.compare} | launch to /health 200 (s) | CPU by then (s) | 64 questions (s) | PSS (GB) |",
-             "|---|---:|---:|---:|---:|"]
-    lines += [f"| {w} | {m['ready_s']:.1f} | {m['ready_cpu_s']:.1f} | {m['questions_s']:.1f} | {m['pss_gb']:.2f} |"
-              for w, m in median.items()]
+             f"The shipped gateway, {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
+             "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree from launch (user + system); memory: "
+             "its PSS.", "",
+             f"| {args.compare} | engines | launch to /health 200 (s) | CPU by then (s) | CPU, one answer served (s) | "
+             "PSS then (GB) | 64 questions (s) | CPU after them (s) | PSS after them (GB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {w} | {', '.join(by[w][0]['engines'])} | {m['ready_s']:.1f} | {m['ready_cpu_s']:.1f} | "
+              f"{m['first_answer_cpu_s']:.1f} | {m['first_answer_pss_gb']:.2f} | {m['questions_s']:.1f} | "
+              f"{m['cpu_s']:.1f} | {m['pss_gb']:.2f} |" for w, m in median.items()]
+    lines += ["", "A free-form request (1 token): " + "; ".join(
+        f"{w} {by[w][0]['free_form_status']}" + (f" ({by[w][0]['free_form_error']['code']})"
+                                                 if by[w][0]["free_form_error"] else "") for w in ways) + "."]
     lines += ["", f"Start-up {b} / {a}: {summary[f'ready_ratio_{b}_over_{a}']:.2f} (CPU "
               f"{summary[f'ready_cpu_ratio_{b}_over_{a}']:.2f}); throughput {b} / {a}: "
               f"{summary[f'throughput_ratio_{b}_over_{a}']:.2f}; largest option-probability difference: {diff:.1e}."]

@@ -20,6 +20,8 @@ async def score_labelled(service: CalibratedService, domain: str,
     chosen option is the answer; free form: when the greedy answer (at most ANSWER_TOKENS tokens, as `calm eval`
     judges it) matches an alias. 32 at a time: free-form answers in batches of 32 cost the engine 0.59x the CPU of
     batches of 8 (benchmarks/results/free_form_batching.md); live requests share those batches meanwhile."""
+    if any(isinstance(q, LabelledOpenQuestion) for q in questions):  # before any is scored: none stored then
+        service.planner.check_free_form_served("questions", "upload the domain's multiple-choice questions only")
     limit = asyncio.Semaphore(concurrency)
     store = service.shared.store
 

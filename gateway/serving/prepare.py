@@ -55,6 +55,8 @@ class RequestPlanner:
         self.free_form_mode = artifact.free_form_version is not None and getattr(engine, "free_form_mode", False)
 
     def template(self, req: SamplingFields, prompt: PreparedPrompt, max_tokens: int, top_logprobs: int) -> EngineRequest:
+        if not prompt.multiple_choice:
+            self.check_free_form_served()
         self._check_limits(req, prompt, max_tokens)
         # The artifact's weights and head serve the answers they were fitted for.
         free_form = not prompt.multiple_choice and self.free_form_mode
@@ -66,6 +68,14 @@ class RequestPlanner:
             return EngineRequest(**common, max_tokens=1)  # the scorer says what to read from it
         return EngineRequest(**common, max_tokens=max_tokens, stop=req.stop_list(),
                              top_logprobs=max(top_logprobs, self.settings.default_top_logprobs), **self._shaping(req))
+
+    def check_free_form_served(self, param: str = "options", ask: str = "send `options`") -> None:
+        """A 400 for a free-form answer where the gateway serves multiple choice only: no engine would answer it (the
+        in-process engines for free form are not started), which would otherwise be a 503 or, for an artifact without
+        a free-form mode, an answer from weights nobody meant to serve."""
+        if not self.settings.free_form_answers:
+            raise APIError(400, f"this gateway serves multiple-choice answers only (CALM_ANSWERS=multiple_choice): {ask}",
+                           param=param, code="free_form_not_served")
 
     def _check_limits(self, req: SamplingFields, prompt: PreparedPrompt, max_tokens: int) -> None:
         if max_tokens > self.settings.max_tokens_limit:

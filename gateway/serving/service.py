@@ -94,7 +94,9 @@ class CalibratedService:
 
     def scoring_paths(self) -> dict[str, str]:
         """How each kind of answer is scored, for /health."""
-        if self.planner.free_form_mode:
+        if not self.settings.free_form_answers:
+            free = "refused: this gateway serves multiple-choice answers only (CALM_ANSWERS=multiple_choice)"
+        elif self.planner.free_form_mode:
             # in process its adapter is merged into an engine of its own; upstream it is the engines' run-time LoRA
             upstream = self.engine.describe().get("adapter") == "run-time lora"
             adapter = "as a vLLM LoRA loaded at run time" if upstream else "merged"
