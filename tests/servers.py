@@ -69,6 +69,16 @@ def wait_until(what: str, predicate, timeout: float = 180.0, every: float = 1.0)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def alive(process) -> bool:
+    """Whether a psutil process still runs (a zombie waiting for a reaper that never comes, in a container, has ended)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def metric_values(base: str, name: str, **labels: str) -> list[float]:
     """The values of the samples named `name` in `base`/metrics (the gateway's or vLLM's) whose labels include
     `labels`, read with prometheus_client's own parser of the text format. The read may take long on a loaded machine

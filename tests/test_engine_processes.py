@@ -134,3 +134,38 @@ def test_engine_cores_whose_teams_may_outnumber_the_cores_start_with_a_passive_o
     assert forkserver_spin_counts(engines=1, threads=1) == ["300000"]
     if cpus > 1:  # teams shared step by step (the default) can take every core: passive too
         assert forkserver_spin_counts(engines=cpus + 1, threads=None) == ["0"]
+
+
+def test_engine_cores_and_their_server_exit_when_the_gateway_is_killed(tmp_path):
+    """A gateway killed outright (SIGKILL, the OOM killer) leaves no forked engine core and no server behind: the
+    child is the server's, not the gateway's, and holds the server's liveness pipe, so without watching the gateway
+    both ran on (~2 GB an engine core; found orphaned 50 minutes after a profiling run killed its gateway)."""
+    import psutil
+
+    from tests.servers import alive, wait_until
+
+    script = tmp_path / "gateway.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from adapters.hosting.engine_processes import EngineCoreContext
+
+        if __name__ == "__main__":
+            child = EngineCoreContext().Process(target=time.sleep, args=(600,))
+            child.start()
+            print(child.pid, flush=True)
+            time.sleep(600)
+    """))
+    gateway = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    started = []
+    try:
+        child = int(gateway.stdout.readline())
+        started = psutil.Process(gateway.pid).children(recursive=True)
+        assert child in {p.pid for p in started} and len(started) >= 2  # the server (and its tracker), the child
+        gateway.kill()
+        gateway.wait(60)
+        wait_until("the forked child and the server to exit", lambda: not any(map(alive, started)), 60, 0.1)
+    finally:
+        gateway.kill()
+        for p in filter(alive, started):
+            p.kill()

@@ -11,9 +11,10 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
-from tests.servers import calm_argv, free_port, running, wait_until
+from tests.servers import alive, calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -57,10 +58,16 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
                 deadline = time.monotonic() + 30
                 while not acknowledged and time.monotonic() < deadline:
                     time.sleep(0.005)
-                os.killpg(proc.pid, signal.SIGKILL)
+                # The gateway alone, as the OOM killer would: its engine core and the server it was forked from
+                # are not its children and must not outlive it (adapters/hosting/engine_processes.py).
+                started = psutil.Process(proc.pid).children(recursive=True)
+                servers = [p for p in started if "forkserver" in " ".join(p.cmdline())]  # read while they run
+                os.kill(proc.pid, signal.SIGKILL)
         for t in threads:
             t.join()
         proc.wait()
+    assert servers  # the server and the engine core forked from it
+    wait_until("the killed gateway's engine processes to exit", lambda: not any(map(alive, started)), 120, 0.2)
     assert 0 < len(acknowledged) < len(ids), len(acknowledged)
     assert sqlite3.connect(db).execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     # Restarted on the same database. Feedback needs no engine: the restart serves an upstream engine that is not

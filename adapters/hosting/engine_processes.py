@@ -12,6 +12,12 @@ The one difference from spawn that matters: a forked child has the server's envi
 started, while vLLM (and InProcessVLLMEngine) set variables for an engine core just before starting it. So each
 process carries its parent's environment as it was at start() and takes it on first thing, as a spawned one would,
 OpenMP's thread count included (read by the OpenMP runtime once, when the server loaded torch).
+
+The other: a forked child's parent is the server, not the process that started it, and every child holds the server's
+liveness pipe open, so neither notices when that process dies without shutting its engines down (SIGKILL, the OOM
+killer): the server and its engine cores, ~2 GB each, would run on. Each child watches the process that started it
+and, when it exits, terminates itself as that process's shutdown would (SIGTERM: vLLM's engine core tears down); the
+server exits once its last child has.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import select
+import signal
+import threading
 from multiprocessing.context import ForkServerProcess
 
 from adapters.hosting.cpu_limits import omp_threads_set
@@ -38,13 +47,35 @@ class EnvCarryingProcess(ForkServerProcess):
 
     def start(self) -> None:
         self._parent_env = dict(os.environ)
+        self._starter_pid = os.getpid()
         super().start()
 
     def run(self) -> None:
         os.environ.clear()
         os.environ.update(self._parent_env)
         apply_omp_threads()
+        terminate_with(self._starter_pid)
         super().run()
+
+
+def terminate_with(pid: int) -> bool:
+    """SIGTERM to this process once process `pid` has exited, watched from a daemon thread through a pidfd (an event,
+    not a poll); False where the kernel offers no pidfd (Linux before 5.3) or `pid` is gone already."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:  # it died while this process started
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
+    except (AttributeError, OSError) as e:
+        log.warning("cannot watch process %s (%s): this process outlives it if it dies without stopping it", pid, e)
+        return False
+
+    def watch() -> None:
+        select.select([pidfd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
+    return True
 
 
 def apply_omp_threads() -> None:
