@@ -30,8 +30,8 @@ from tests.loop_stack import (
 from tests.recorded import record_runs, write_markdown
 from tests.servers import REPO, background, calm_argv, free_port, wait_until
 
-# memory_gb: the peak PSS of the gateway, the worker and its judging engines: 10.2 and 11.1 GB measured (tests/memory_budget.py).
-pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(11.5)]
+# memory_gb: the peak PSS of the gateway, the worker and its judging: 11.5 and 12.0 GB in the fresh clones of 1f4e691 (tests/memory_budget.py).
+pytestmark = [pytest.mark.slow, pytest.mark.memory_gb(12.0)]
 
 
 def two_way(shared_data, start: int, stop: int, seed: int) -> list[dict]:
