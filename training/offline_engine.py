@@ -46,10 +46,8 @@ def shared_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 
 def first_read_row(request: EngineRequest, length: int) -> int:
-    """The first position whose logits a request reads: the one predicting its first read prompt token (the last
-    position, the next token, is always read)."""
-    if not request.prompt_logprobs:
-        return length - 1
+    """The first position whose logits a prompt log-prob request reads: the one predicting its first read prompt token
+    (the last position, the next token, is always read)."""
     return min(max(request.prompt_logprobs_from - 1, 0), length - 1)
 
 

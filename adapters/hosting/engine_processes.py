@@ -58,24 +58,23 @@ class EnvCarryingProcess(ForkServerProcess):
         super().run()
 
 
-def terminate_with(pid: int) -> bool:
+def terminate_with(pid: int) -> None:
     """SIGTERM to this process once process `pid` has exited, watched from a daemon thread through a pidfd (an event,
-    not a poll); False where the kernel offers no pidfd (Linux before 5.3) or `pid` is gone already."""
+    not a poll); a warning where the kernel offers no pidfd (Linux before 5.3)."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:  # it died while this process started
         os.kill(os.getpid(), signal.SIGTERM)
-        return True
+        return
     except (AttributeError, OSError) as e:
         log.warning("cannot watch process %s (%s): this process outlives it if it dies without stopping it", pid, e)
-        return False
+        return
 
     def watch() -> None:
         select.select([pidfd], [], [])  # readable once the process has exited
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
-    return True
 
 
 def apply_omp_threads() -> None:
