@@ -165,10 +165,23 @@ def test_unsure_answers_are_escalated_confident_ones_are_not_and_a_failing_targe
         assert client.put("/admin/policies/science", json=withhold, headers=ADMIN).status_code == 200
         fell = client.post("/v1/chat/completions", json=QUESTION | {"stream": True}).text
         assert "Ask a person." in fell and "the target refused the request" in fell and '"escalated": false' in fell
-        assert "bad key" not in fell and "401" not in fell  # the target's own words stay in this gateway's log
+        # The target's own words stay in this gateway's log. Only the text shown is searched: the random
+        # response id and the latency are digits that hold "401" now and then.
+        shown = [text for event in fell.splitlines() if event.startswith("data: {")
+                 for text in strings(json.loads(event[len("data: "):])["choices"])]
+        assert "Ask a person." in shown and not [text for text in shown if "bad key" in text or "401" in text]
         metrics = client.get("/metrics").text
         assert 'calm_escalation_errors_total{domain="science",reason="status"} 1.0' in metrics
         assert 'calm_escalations_total{domain="science",outcome="fallback_abstain"} 1.0' in metrics
+
+
+def strings(value) -> list[str]:
+    """Every string inside a JSON value, keys left out."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [text for item in value for text in strings(item)] if isinstance(value, list) else []
 
 
 def test_a_review_queues_the_withheld_answer_and_its_verdict_becomes_feedback(tmp_path):
