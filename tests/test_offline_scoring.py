@@ -127,6 +127,18 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
     assert np.abs(together[0][0] - together[1][0]).max() > 0.01  # each head applied to its own version
     assert np.abs(together[4][0] - together[0][0]).max() > 1e-3  # the other adapter's own forward pass
 
+    # Both adapters sit on the top 4 layers: with a frozen bottom to share (the trainer's states, in the gate; empty
+    # here), the shipped adapter's versions compute it and the other adapter's version runs its top layers from it.
+    from training.frozen_states import FrozenStates, bottom_digest
+
+    frozen = FrozenStates(26, bottom_digest(model, 26))
+    packed_forwards.clear()
+    shared = scoring.served_probabilities(versions, str(embedded_model_dir), *sets, frozen=frozen)
+    assert len(packed_forwards) == 2 * 2 + 2 and len(frozen.states) == 6  # bottom + top per set, then top alone
+    for got, want in zip(shared, together):
+        for a, b in zip(got[:2], want[:2]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
 
 def test_the_offline_engine_runs_its_lm_head_only_where_prompt_log_probs_are_read(served, shipped_artifact, shared_data):
     """A cloze option's request says from which prompt position its log-probs are read (the option's tokens, after the

@@ -136,6 +136,11 @@ def test_smoke_run_learns_moves_alpha_and_exports_a_loadable_artifact(tmp_path, 
     np.testing.assert_allclose(loaded.head.shift, trainer.alpha.full()[1].detach().numpy(), rtol=1e-6)
     log = [json.loads(l) for l in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert {"g", "f", "q", "lambda", "entropy", "step"} <= set(log[0])
+    # What the retraining gate may score from (test_init_from_... below): packed cloze questions, not letter prompts.
+    from training.frozen_states import FrozenStates
+
+    frozen = FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets)
+    assert (frozen is None) == (answer_format == "letter")
 
 
 def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, embedded_model_dir):
@@ -206,6 +211,34 @@ def test_init_from_starts_theta_and_alpha_at_the_artifact_and_refuses_another_lo
     served = option_probabilities(load_served_model(str(trainer.resolved.path), artifact.adapter_dir),
                                   trainer.tokenizer, data.questions, "cloze", artifact.head)
     np.testing.assert_allclose(trainer.probs(data), served[:, : trainer.probs(data).shape[1]], atol=1e-4)
+
+    # The retraining gate then scores the versions from the states training encoded: the served model's bottom (the
+    # shipped adapter sits on the same top layers) is the trainer's, so a question runs through the top 4 layers alone.
+    from training.frozen_states import FrozenStates, bottom_digest
+    from training.top_layers import decoder
+
+    frozen = FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets)
+    encoded = sum(len(d) for role in trainer.sets.values() for d in role.values())
+    assert frozen.layer == trainer.first_trained == 26 and len(frozen.states) == encoded
+    served_model = load_served_model(str(trainer.resolved.path), artifact.adapter_dir)
+    assert frozen.serve(served_model)
+    bottom_rows = []
+    hook = decoder(served_model)[0].layers[0].register_forward_hook(lambda m, args, out: bottom_rows.append(len(out)))
+    held = len(frozen.states)
+    from_states = option_probabilities(served_model, trainer.tokenizer, data.questions, "cloze", artifact.head,
+                                       frozen=frozen)
+    hook.remove()
+    np.testing.assert_allclose(from_states, served, atol=1e-5)
+    # The engine packs a question as the trainer does (in another option order: the states do not depend on it)
+    # unless its options share a first token, which then joins the prompt: that one (1 of these 16) ran the whole
+    # model, and its states were kept for the next version.
+    computed = len(frozen.states) - held
+    assert sum(bottom_rows) == computed == 1, (computed, bottom_rows)
+    # A model whose bottom differs in one weight is not served from them.
+    with torch.no_grad():
+        decoder(served_model)[0].layers[3].mlp.down_proj.weight[0, 0] += 1e-3
+    assert not frozen.serve(served_model) and bottom_digest(served_model, 3) == bottom_digest(trainer.model, 3)
+
     cold = Trainer(load_config("configs/train/loop-smoke.toml", out_dir=str(tmp_path / "cold")), show_progress=False).setup()
     assert np.abs(cold.probs(data) - trainer.probs(data)).max() > 1e-2  # without it: the base model, identity head
 

@@ -22,6 +22,7 @@ from calm_core.hashing import vocab_sha256
 from calm_core.prompts import AnswerFormat
 from calm_core.scorers.base import PostHoc
 from calm_core.scorers.questions import option_matrix, score_options
+from training.frozen_states import FrozenStates
 from training.offline_engine import ForwardMemo, OfflineEngine
 from training.scoring import load_causal_lm, load_tokenizer, output_vocab_size
 
@@ -68,10 +69,12 @@ def same_weights(a: LoadedArtifact, b: LoadedArtifact) -> bool:
     return ta.keys() == tb.keys() and all(ta[k].equal(tb[k]) for k in ta)
 
 
-def served_probabilities(versions: list[LoadedArtifact], model_path: str,
-                         *question_sets: list[MCQuestion]) -> list[list[np.ndarray]]:
+def served_probabilities(versions: list[LoadedArtifact], model_path: str, *question_sets: list[MCQuestion],
+                         frozen: FrozenStates | None = None) -> list[list[np.ndarray]]:
     """Each version's option probabilities on each set, scored as the gateway serves it. Versions with the same
-    weights (same_weights) share one load of the model and one forward pass per question: only their heads differ."""
+    weights (same_weights) share one load of the model and one forward pass per question: only their heads differ.
+    `frozen`: states of a frozen bottom (the trainer's, of the questions it encoded); each version whose weights share
+    that bottom runs its top layers from them, and adds the questions' states it lacked for the next version."""
     tokenizer = load_tokenizer(model_path)
     out: list[list[np.ndarray]] = [[] for _ in versions]
     done: set[int] = set()
@@ -81,12 +84,14 @@ def served_probabilities(versions: list[LoadedArtifact], model_path: str,
         sharing = [n] + [m for m in range(n + 1, len(versions)) if m not in done and same_weights(version, versions[m])]
         done.update(sharing)
         model = load_served_model(model_path, version.adapter_dir)
+        bottom = frozen if frozen is not None and frozen.serve(model) else None
         for qs in question_sets:  # a memo per set, only where versions share it: memory bounded by one set
             memo = {} if len(sharing) > 1 else None
             for m in sharing:
                 manifest = versions[m].manifest
                 out[m].append(option_probabilities(model, tokenizer, qs, manifest.answer_format, versions[m].head,
-                                                   option_temperature=manifest.option_temperature, memo=memo)
+                                                   option_temperature=manifest.option_temperature, memo=memo,
+                                                   frozen=bottom)
                               if qs else np.zeros((0, 0)))
         del model
     return out
@@ -95,9 +100,10 @@ def served_probabilities(versions: list[LoadedArtifact], model_path: str,
 def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormat,
                          head: AlphaHead | None, batch_size: int = 8,
                          progress: Callable[[int], None] | None = None, option_temperature: float = 1.0,
-                         memo: ForwardMemo | None = None) -> np.ndarray:
+                         memo: ForwardMemo | None = None, frozen: FrozenStates | None = None) -> np.ndarray:
     """(N, max options) each question's distribution over its options (padding columns 0), through the α head and a
-    recalibrated version's option temperature. `memo`: shared by engines over this model (OfflineEngine)."""
-    engine = OfflineEngine(model, tokenizer, head, batch_size, memo=memo)
+    recalibrated version's option temperature. `memo`, `frozen`: shared by engines over this model, or over models
+    with this frozen bottom (OfflineEngine)."""
+    engine = OfflineEngine(model, tokenizer, head, batch_size, memo=memo, frozen=frozen)
     return option_matrix(asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress,
                                                    post_hoc=PostHoc(option_temperature))))

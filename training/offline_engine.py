@@ -11,7 +11,9 @@ by the caller), so `adapter` is implied. Free-form generation is the vLLM engine
 
 Engines over one model may share a `ForwardMemo`: what the model computed for a token sequence (the heads are applied
 afterwards), so versions that differ by their heads alone (a head-only candidate and its parent, judged side by side)
-run each question through the model once.
+run each question through the model once. Engines over models that share their frozen bottom (training/frozen_states.py)
+may share its states: a packed question whose states are there runs through the top layers only (prompt log-prob
+requests; the letter format's plain requests run the whole model).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 from calm_core.alpha_head import AlphaHead
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest
 from calm_core.prompts import ClozeTokens
-from training.cloze import PAD_SEGMENT, pack_question, packed_mask, pad_packed
+from training.cloze import PAD_SEGMENT, PackedQuestion, pack_question, packed_mask, pad_packed
+from training.frozen_states import FrozenStates
 from training.top_layers import decoder, run_layers_masked
 
 Pending = tuple[EngineRequest, tuple[int, ...], asyncio.Future]
@@ -70,9 +73,11 @@ class OfflineEngine:
     prompt_logprobs = True
 
     def __init__(self, model, tokenizer, head: AlphaHead | None, batch_size: int = 8, artifact_version: str = "offline",
-                 memo: ForwardMemo | None = None):
+                 memo: ForwardMemo | None = None, frozen: FrozenStates | None = None):
+        """`frozen`: states of this model's own bottom (the caller checks with FrozenStates.serve)."""
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.memo = memo  # None: nothing is kept past the batch that computed it
+        self.frozen = frozen
         self.artifact_version = artifact_version
         self.max_model_len = int(getattr(model.config, "max_position_embeddings", 2048))
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -151,10 +156,13 @@ class OfflineEngine:
         todo = [n for n, key in enumerate(keys) if key not in memo]
         if todo:
             packed = [layouts[n][1] for n in todo]
-            ids = pad_packed(packed, [q.input_ids for q in packed], 0).to(self.device)
             segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT).to(self.device)
             positions = pad_packed(packed, [q.positions for q in packed], 0).to(self.device)
-            hidden = run_layers_masked(stack, stack.layers, stack.embed_tokens(ids), packed_mask(segment), positions)
+            if self.frozen is None:
+                hidden = run_layers_masked(stack, stack.layers, self._embedded(packed), packed_mask(segment), positions)
+            else:
+                hidden = run_layers_masked(stack, stack.layers[self.frozen.layer :], self._frozen_states(packed),
+                                           packed_mask(segment), positions)
             for row, n in enumerate(todo):
                 memo[keys[n]] = stack.norm(hidden[row, : len(packed[row].input_ids)])
         deltas = []
@@ -169,6 +177,24 @@ class OfflineEngine:
                 start += len(own) - prefix
                 deltas.append(self._delta(request, own, logits[[row - top for row in rows[first:]]], first))
         return deltas
+
+    def _embedded(self, packed: list[PackedQuestion]) -> torch.Tensor:
+        stack, _ = decoder(self.model)
+        return stack.embed_tokens(pad_packed(packed, [q.input_ids for q in packed], 0).to(self.device))
+
+    def _frozen_states(self, packed: list[PackedQuestion]) -> torch.Tensor:
+        """The states entering the first layer above the frozen bottom, padded as the packed rows: those the frozen
+        states hold, the others computed now through the bottom and kept there for the next model that shares it."""
+        frozen, stack = self.frozen, decoder(self.model)[0]
+        missing = [q for q in packed if q not in frozen]
+        if missing:
+            segment = pad_packed(missing, [q.segment for q in missing], PAD_SEGMENT).to(self.device)
+            positions = pad_packed(missing, [q.positions for q in missing], 0).to(self.device)
+            bottom = run_layers_masked(stack, stack.layers[: frozen.layer], self._embedded(missing),
+                                       packed_mask(segment), positions)
+            for row, q in enumerate(missing):
+                frozen.add(q, bottom[row, : len(q)].clone())
+        return pad_packed(packed, [frozen.rows(q).to(self.device) for q in packed], 0.0)
 
     @torch.inference_mode()
     def _answer(self, batch: list[tuple[EngineRequest, tuple[int, ...]]]) -> list[EngineDelta]:

@@ -47,6 +47,7 @@ from calm_core.served_answers import judged_choices, judged_free_form
 from calm_core.splits import load_split, materialize
 from calm_core.toml_config import dump_toml
 from training.artifact_scoring import served_probabilities
+from training.frozen_states import FrozenStates
 from training.artifacts import reference_histogram
 from training.config import load_config
 from training.retrain.data import (
@@ -273,15 +274,19 @@ class Worker:
         beat.note(f"parent {parent_artifact.manifest.artifact_version if parent_artifact else None}; "
                   f"{len(calibration)} captured prompts as the calibration set", "training")
 
-        exported = self._train(train_cfg, beat)
+        exported, trainer = self._run_training(train_cfg, beat)
+        # The frozen bottom's states of the questions training encoded (the calibration and test sets among them): the
+        # versions judged below run their top layers from them. The trainer itself (model, optimizer) goes now.
+        frozen = FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets) if trainer is not None else None
+        del trainer
         beat.note("trained; judging the candidate", "judging")
         model_path = str(resolve_model(train_cfg.model).path)
         tests = materialize(load_split(split_path)).role("test_in_domain")
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
         # One load of the weights per version for everything it is scored on; a head-only candidate shares its
-        # parent's (and each question's forward pass).
+        # parent's (and each question's forward pass). Both run their top layers from the states training encoded.
         versions = [load_artifact(exported)] + ([parent_artifact] if parent_artifact else [])
-        scored = served_probabilities(versions, model_path, calibration, tests, judged)
+        scored = served_probabilities(versions, model_path, calibration, tests, judged, frozen=frozen)
         cand_calib, cand_tests, cand_labels = scored[0]
         active = tuple(scored[1]) if parent_artifact else None
         result = judged_result(calibration, tests, judged, len(labelled), (cand_calib, cand_tests, cand_labels), active)
@@ -331,7 +336,11 @@ class Worker:
         return self._decide(job, record.version, result, beat)
 
     def _train(self, train_cfg, beat: Heartbeat) -> Path:
-        """CALM on the job's split, resumed from its checkpoint if a worker died mid-run; the exported artifact.
+        return self._run_training(train_cfg, beat)[0]
+
+    def _run_training(self, train_cfg, beat: Heartbeat) -> tuple[Path, Trainer | None]:
+        """CALM on the job's split, resumed from its checkpoint if a worker died mid-run; the exported artifact, and the
+        trainer when it ran in this process (None under `launcher`).
         In this process, or with `launcher` (e.g. `accelerate launch --num_processes 4`) as `calm train` under it."""
         if self.launcher:
             config = Path(train_cfg.out_dir).parent / "train.toml"
@@ -340,12 +349,12 @@ class Worker:
             beat.note("training: " + " ".join(argv))
             with open(Path(train_cfg.out_dir).parent / "train.out", "a") as out:
                 subprocess.run(argv, check=True, stdout=out, stderr=subprocess.STDOUT)
-            return Path(train_cfg.out_dir) / "artifact"
+            return Path(train_cfg.out_dir) / "artifact", None
         trainer = Trainer(train_cfg, show_progress=False).setup()
         if trainer.resume():
             beat.note(f"resumed from the checkpoint at step {trainer.step}")
         trainer.train()
-        return trainer.export()
+        return trainer.export(), trainer
 
     def _decide(self, job: Job, version: str, result: dict, beat: Heartbeat) -> Job:
         decision = gate(self.cfg, GateInputs(**result["inputs"]))

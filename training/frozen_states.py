@@ -1,0 +1,106 @@
+"""Hidden states of the frozen bottom, shared by the models that agree below a layer.
+
+LoRA sits on the top layers only (training/top_layers.py), so the trainer's model, the candidate it exports and their
+parent (its adapter on the same top layers) compute the same hidden states for a token sequence up to the first
+adapted layer. The retraining gate scores the candidate and its parent on the questions the trainer has just encoded:
+with the trainer's states handed over, each version runs only its own top layers (4 of the embedded model's 30).
+
+Whether a model may use the states is decided by its weights, not by what an adapter's config says: a digest of its
+embeddings and of every parameter below the layer, equal to the digest of the model that computed them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from training.cloze import PackedQuestion
+from training.features import EncodedSet
+from training.top_layers import decoder
+
+
+def bottom_digest(model, layer: int) -> str:
+    """sha256 over the token embeddings and the parameters of decoder layers below `layer` (their values and names)."""
+    stack, _ = decoder(model)
+    h = hashlib.sha256(f"{layer}".encode())
+    modules = [("embed_tokens", stack.embed_tokens)] + [(f"layers.{i}", stack.layers[i]) for i in range(layer)]
+    for prefix, module in modules:
+        for name, tensor in module.state_dict().items():
+            h.update(f"{prefix}.{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+            h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _parts(question: PackedQuestion) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[torch.Tensor]]:
+    """A packed question's prompt ids, its options' ids in packed order, and the row indices of each part (prompt
+    first)."""
+    ids, segment = question.input_ids.tolist(), question.segment.tolist()
+    rows: dict[int, list[int]] = {}
+    for row, part in enumerate(segment):
+        rows.setdefault(part, []).append(row)
+    parts = [rows[k] for k in sorted(rows)]
+    return (tuple(ids[r] for r in parts[0]), [tuple(ids[r] for r in option) for option in parts[1:]],
+            [torch.tensor(p) for p in parts])
+
+
+def question_key(question: PackedQuestion) -> tuple:
+    """A question as its prompt and its set of options (token ids): the states of its rows do not depend on the order
+    the options are packed in (each sees the prompt and itself; its positions restart where the prompt ends)."""
+    prompt, options, _ = _parts(question)
+    return prompt, tuple(sorted(options))
+
+
+@dataclass
+class QuestionStates:
+    prompt: torch.Tensor  # (P, H)
+    options: dict[tuple[int, ...], torch.Tensor]  # option ids -> (len, H)
+
+
+@dataclass
+class FrozenStates:
+    """States entering decoder layer `layer` per question (question_key), all computed by models whose bottom has
+    `digest`. An engine given them adds the states of the questions it computes, for the next model that shares them."""
+
+    layer: int
+    digest: str
+    states: dict[tuple, QuestionStates] = field(default_factory=dict)
+
+    @classmethod
+    def of_encoded(cls, model, layer: int, questions: Iterable[PackedQuestion]) -> "FrozenStates":
+        """The states `model` encoded for `questions` (training/cloze.py's encode_packed, up to `layer`)."""
+        frozen = cls(layer, bottom_digest(model, layer))
+        for q in questions:
+            if q.hidden is not None:
+                frozen.add(q, q.hidden)
+        return frozen
+
+    @classmethod
+    def of_sets(cls, model, layer: int, sets: dict[str, dict[str, EncodedSet]]) -> "FrozenStates | None":
+        """The states of every question a trainer encoded (Trainer.sets: per role and source); None unless the format
+        packs its questions (cloze; the letter format encodes prompts alone, free form has no gate here)."""
+        items = [q for role in sets.values() for data in role.values() for q in data.items]
+        if not items or not all(isinstance(q, PackedQuestion) for q in items):
+            return None
+        return cls.of_encoded(model, layer, items)
+
+    def serve(self, model) -> bool:
+        """Whether `model` computes these states itself: the same embeddings and layers below `layer`."""
+        return bottom_digest(model, self.layer) == self.digest
+
+    def __contains__(self, question: PackedQuestion) -> bool:
+        return question_key(question) in self.states
+
+    def add(self, question: PackedQuestion, hidden: torch.Tensor) -> None:
+        """Keep `hidden` ((T, H), `question`'s rows as packed) by part."""
+        _, options, rows = _parts(question)
+        self.states[question_key(question)] = QuestionStates(
+            hidden[rows[0]], {option: hidden[r] for option, r in zip(options, rows[1:])})
+
+    def rows(self, question: PackedQuestion) -> torch.Tensor:
+        """(T, H) the states of `question`'s rows in its packing order."""
+        prompt, options, _ = _parts(question)
+        kept = self.states[question_key(question)]
+        return torch.cat([kept.prompt] + [kept.options[option] for option in options])
