@@ -47,16 +47,23 @@ def _parts(question: PackedQuestion) -> tuple[tuple[int, ...], list[tuple[int, .
 
 
 def question_key(question: PackedQuestion) -> tuple:
-    """A question as its prompt and its set of options (token ids): the states of its rows do not depend on the order
-    the options are packed in (each sees the prompt and itself; its positions restart where the prompt ends)."""
+    """A question as the set of token sequences it asks about (the prompt followed by each option). Each option's rows
+    see the prompt and themselves, their positions restarting where the prompt ends, so a row's state is the state of
+    that position in its sequence: neither the order the options are packed in nor where the prompt is cut (a token
+    every option starts with is packed in the prompt by the engine, in each option by training) changes it."""
     prompt, options, _ = _parts(question)
-    return prompt, tuple(sorted(options))
+    return tuple(sorted(prompt + option for option in options))
 
 
 @dataclass
 class QuestionStates:
+    prompt_ids: tuple[int, ...]
     prompt: torch.Tensor  # (P, H)
     options: dict[tuple[int, ...], torch.Tensor]  # option ids -> (len, H)
+
+    def sequence(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """(len(ids), H) the states of one asked sequence (the prompt, then an option)."""
+        return torch.cat([self.prompt, self.options[ids[len(self.prompt_ids):]]])
 
 
 @dataclass
@@ -95,12 +102,13 @@ class FrozenStates:
 
     def add(self, question: PackedQuestion, hidden: torch.Tensor) -> None:
         """Keep `hidden` ((T, H), `question`'s rows as packed) by part."""
-        _, options, rows = _parts(question)
+        prompt, options, rows = _parts(question)
         self.states[question_key(question)] = QuestionStates(
-            hidden[rows[0]], {option: hidden[r] for option, r in zip(options, rows[1:])})
+            prompt, hidden[rows[0]], {option: hidden[r] for option, r in zip(options, rows[1:])})
 
     def rows(self, question: PackedQuestion) -> torch.Tensor:
-        """(T, H) the states of `question`'s rows in its packing order."""
+        """(T, H) the states of `question`'s rows as it is packed: its prompt's, then each option's."""
         prompt, options, _ = _parts(question)
         kept = self.states[question_key(question)]
-        return torch.cat([kept.prompt] + [kept.options[option] for option in options])
+        sequences = [kept.sequence(prompt + option) for option in options]
+        return torch.cat([sequences[0][: len(prompt)]] + [states[len(prompt):] for states in sequences])
