@@ -129,15 +129,22 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
 
     # Both adapters sit on the top 4 layers: with a frozen bottom to share (the trainer's states, in the gate; empty
     # here), the shipped adapter's versions compute it and the other adapter's version runs its top layers from it.
-    from training.frozen_states import FrozenStates, bottom_digest
+    from training.frozen_states import FrozenStates
 
-    frozen = FrozenStates(26, bottom_digest(model, 26))
+    frozen = FrozenStates.of_model(model, 26)
     packed_forwards.clear()
     shared = scoring.served_probabilities(versions, str(embedded_model_dir), *sets, frozen=frozen)
     assert len(packed_forwards) == 2 * 2 + 2 and len(frozen.states) == 6  # bottom + top per set, then top alone
     for got, want in zip(shared, together):
         for a, b in zip(got[:2], want[:2]):
             np.testing.assert_allclose(a, b, atol=1e-5)
+    # States of another bottom (here: the right states under another digest) serve no version: each runs its whole
+    # model, and nothing is added to them.
+    other = FrozenStates(26, "another bottom", frozen.dtype, dict(frozen.states))
+    packed_forwards.clear()
+    alone = scoring.served_probabilities(versions[:1], str(embedded_model_dir), sets[0], frozen=other)
+    assert len(packed_forwards) == 1 and len(other.states) == 6
+    np.testing.assert_allclose(alone[0][0], together[0][0], atol=1e-6)
 
 
 def test_the_offline_engine_runs_its_lm_head_only_where_prompt_log_probs_are_read(served, shipped_artifact, shared_data):

@@ -323,6 +323,9 @@ def test_a_worker_killed_mid_job_loses_no_job_and_leaves_no_half_written_artifac
     assert finished.status == "promoted", finished.log
     assert finished.attempts == 2 and any("resumed" in line for line in finished.log)
     assert any("resumed from the checkpoint at step" in line for line in finished.log), finished.log
+    # Judged from the states the resumed training encoded: its 60 captured prompts and the smoke split's 16 tests.
+    assert any("from the states training encoded below layer 26 (76 questions)" in line for line in finished.log), \
+        finished.log
     logged = [json.loads(line)["step"] for line in train_log.read_text().splitlines()]
     assert logged[-1] == steps and len(logged) < steps_before + steps  # it went on from the checkpoint, not from step 0
     versions = [r.version for r in registry.list()]

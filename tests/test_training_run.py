@@ -218,8 +218,8 @@ def test_init_from_starts_theta_and_alpha_at_the_artifact_and_refuses_another_lo
     from training.top_layers import decoder
 
     frozen = FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets)
-    encoded = sum(len(d) for role in trainer.sets.values() for d in role.values())
-    assert frozen.layer == trainer.first_trained == 26 and len(frozen.states) == encoded
+    judged = sum(len(d) for role in ("calibration", "test_in_domain") for d in trainer.sets[role].values())
+    assert frozen.layer == trainer.first_trained == 26 and len(frozen.states) == judged  # not the training set's
     served_model = load_served_model(str(trainer.resolved.path), artifact.adapter_dir)
     assert frozen.serve(served_model)
     bottom_rows = []
@@ -233,10 +233,14 @@ def test_init_from_starts_theta_and_alpha_at_the_artifact_and_refuses_another_lo
     # these 16): the states do not depend on either, so no question ran through the bottom.
     from calm_core.prompts import cloze_tokens
 
+    # (A guard on the data: the case above is in these questions.)
     firsts = [{option[0] for option in cloze_tokens(trainer.tokenizer, q.question, q.choices).options} for q in data.questions]
     assert sum(len(tokens) == 1 for tokens in firsts) == 1
     assert len(frozen.states) == held and bottom_rows == [], bottom_rows
-    # A model whose bottom differs in one weight is not served from them.
+    # A model whose bottom differs in one weight, or whose config says another norm epsilon, is not served from them.
+    served_model.config.rms_norm_eps *= 10
+    assert not frozen.serve(served_model)
+    served_model.config.rms_norm_eps /= 10
     with torch.no_grad():
         decoder(served_model)[0].layers[3].mlp.down_proj.weight[0, 0] += 1e-3
     assert not frozen.serve(served_model) and bottom_digest(served_model, 3) == bottom_digest(trainer.model, 3)

@@ -198,3 +198,33 @@ def test_splits_that_share_a_set_encode_it_once(tmp_path):
     assert [float(h) for h in second["test_in_domain"]["tests"].items] == [len(q.question) for q in tests]
     assert second["test_in_domain"]["tests"].labels.tolist() == [0, 1, 0, 1]
     assert len(first["calibration"]["captured"]) == 5 and len(second["calibration"]["captured"]) == 6
+
+
+def test_frozen_states_are_reassembled_for_any_option_order_and_prompt_cut():
+    """A packed row's state depends only on its sequence up to it (the prompt, then its own option): states kept from
+    training's packing (prompt | options in the question's order) give the engine's packing (options sorted, a token
+    every option starts with moved into the prompt) exactly the rows it would compute."""
+    from calm_core.prompts import ClozeTokens
+    from training.cloze import pack_question
+    from training.frozen_states import FrozenStates, question_key
+
+    def states(q) -> torch.Tensor:  # a stand-in model: each row's state a function of its sequence so far
+        prompt = q.input_ids[q.segment == 0].tolist()
+        rows = []
+        for row in range(len(q)):
+            own = [int(t) for t, s in zip(q.input_ids[: row + 1], q.segment[: row + 1]) if s in (0, q.segment[row])]
+            assert own[: len(prompt)] == prompt[: len(own)]
+            rows.append(torch.tensor([float(hash(tuple(own)) % 10007), float(len(own))]))
+        return torch.stack(rows)
+
+    trained = pack_question(ClozeTokens((1, 2, 3), ((7, 8), (7, 9, 10), (7, 11))))
+    frozen = FrozenStates(2, "digest", torch.float32)
+    frozen.add(trained, states(trained))
+    served = pack_question(ClozeTokens((1, 2, 3, 7), ((9, 10), (8,), (11,))))  # sorted elsewhere, 7 in the prompt
+    assert served in frozen and question_key(served) == question_key(trained)
+    assert torch.equal(frozen.rows(served), states(served))
+    assert torch.equal(frozen.rows(trained), states(trained))
+    assert pack_question(ClozeTokens((1, 2, 3), ((7, 8), (7, 9, 10)))) not in frozen  # another question
+    empty_prompt = pack_question(ClozeTokens((), ((4,),)))
+    frozen.add(empty_prompt, states(empty_prompt))
+    assert torch.equal(frozen.rows(empty_prompt), states(empty_prompt))

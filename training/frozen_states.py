@@ -12,38 +12,50 @@ embeddings and of every parameter below the layer, equal to the digest of the mo
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.cloze import PackedQuestion
-from training.features import EncodedSet
 from training.top_layers import decoder
+
+if TYPE_CHECKING:
+    from training.features import EncodedSet
+
+# What the gate scores from them: the captured prompts (calibration) and the domain's test questions. The training set
+# is the largest of a trainer's sets and nothing scores it afterwards.
+JUDGED_ROLES = ("calibration", "test_in_domain")
 
 
 def bottom_digest(model, layer: int) -> str:
-    """sha256 over the token embeddings and the parameters of decoder layers below `layer` (their values and names)."""
+    """sha256 over what the hidden states entering decoder layer `layer` depend on: the token embeddings, every
+    parameter and buffer of the layers below it and of the rotary embedding (their names, dtypes and values), and the
+    model's config (norm epsilon, rope scaling; where it was read from left out)."""
     stack, _ = decoder(model)
-    h = hashlib.sha256(f"{layer}".encode())
-    modules = [("embed_tokens", stack.embed_tokens)] + [(f"layers.{i}", stack.layers[i]) for i in range(layer)]
+    config = {k: v for k, v in stack.config.to_dict().items() if not k.startswith("_") and k != "name_or_path"}
+    h = hashlib.sha256(json.dumps([layer, config], sort_keys=True, default=str).encode())
+    modules = [("embed_tokens", stack.embed_tokens), ("rotary_emb", stack.rotary_emb)]
+    modules += [(f"layers.{i}", stack.layers[i]) for i in range(layer)]
     for prefix, module in modules:
-        for name, tensor in module.state_dict().items():
+        tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        for name, tensor in sorted(tensors.items()):
             h.update(f"{prefix}.{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
             h.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
-def _parts(question: PackedQuestion) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[torch.Tensor]]:
-    """A packed question's prompt ids, its options' ids in packed order, and the row indices of each part (prompt
-    first)."""
+def _parts(question: PackedQuestion) -> tuple[tuple[int, ...], list[tuple[int, ...]], list[slice]]:
+    """A packed question's prompt ids, its options' ids in packed order, and the rows of each part (prompt first; the
+    parts are contiguous, prompt then options, as training/cloze.py's pack_question lays them out)."""
     ids, segment = question.input_ids.tolist(), question.segment.tolist()
-    rows: dict[int, list[int]] = {}
+    bounds: dict[int, list[int]] = {0: [0, 0]}  # a prompt, maybe empty
     for row, part in enumerate(segment):
-        rows.setdefault(part, []).append(row)
-    parts = [rows[k] for k in sorted(rows)]
-    return (tuple(ids[r] for r in parts[0]), [tuple(ids[r] for r in option) for option in parts[1:]],
-            [torch.tensor(p) for p in parts])
+        bounds.setdefault(part, [row, row])[1] = row + 1
+    parts = [slice(*bounds[k]) for k in sorted(bounds)]
+    return tuple(ids[parts[0]]), [tuple(ids[part]) for part in parts[1:]], parts
 
 
 def question_key(question: PackedQuestion) -> tuple:
@@ -73,12 +85,18 @@ class FrozenStates:
 
     layer: int
     digest: str
+    dtype: torch.dtype
     states: dict[tuple, QuestionStates] = field(default_factory=dict)
+
+    @classmethod
+    def of_model(cls, model, layer: int) -> "FrozenStates":
+        """None kept yet: an engine over `model` computes and keeps them."""
+        return cls(layer, bottom_digest(model, layer), decoder(model)[0].embed_tokens.weight.dtype)
 
     @classmethod
     def of_encoded(cls, model, layer: int, questions: Iterable[PackedQuestion]) -> "FrozenStates":
         """The states `model` encoded for `questions` (training/cloze.py's encode_packed, up to `layer`)."""
-        frozen = cls(layer, bottom_digest(model, layer))
+        frozen = cls.of_model(model, layer)
         for q in questions:
             if q.hidden is not None:
                 frozen.add(q, q.hidden)
@@ -86,16 +104,18 @@ class FrozenStates:
 
     @classmethod
     def of_sets(cls, model, layer: int, sets: dict[str, dict[str, EncodedSet]]) -> "FrozenStates | None":
-        """The states of every question a trainer encoded (Trainer.sets: per role and source); None unless the format
-        packs its questions (cloze; the letter format encodes prompts alone, free form has no gate here)."""
-        items = [q for role in sets.values() for data in role.values() for q in data.items]
+        """The states a trainer encoded (Trainer.sets: per role and source) of the questions the gate scores
+        (JUDGED_ROLES); None unless the format packs its questions (cloze; the letter format encodes prompts alone)."""
+        items = [q for role in JUDGED_ROLES for data in sets.get(role, {}).values() for q in data.items]
         if not items or not all(isinstance(q, PackedQuestion) for q in items):
             return None
         return cls.of_encoded(model, layer, items)
 
     def serve(self, model) -> bool:
-        """Whether `model` computes these states itself: the same embeddings and layers below `layer`."""
-        return bottom_digest(model, self.layer) == self.digest
+        """Whether `model` computes these states itself: the same dtype, embeddings and layers below `layer` (the
+        dtype first: a bfloat16 trainer's states never serve the float32 gate, and need no hashing to say so)."""
+        stack, _ = decoder(model)
+        return stack.embed_tokens.weight.dtype == self.dtype and bottom_digest(model, self.layer) == self.digest
 
     def __contains__(self, question: PackedQuestion) -> bool:
         return question_key(question) in self.states

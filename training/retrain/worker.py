@@ -275,11 +275,12 @@ class Worker:
                   f"{len(calibration)} captured prompts as the calibration set", "training")
 
         exported, trainer = self._run_training(train_cfg, beat)
-        # The frozen bottom's states of the questions training encoded (the calibration and test sets among them): the
-        # versions judged below run their top layers from them. The trainer itself (model, optimizer) goes now.
-        frozen = FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets) if trainer is not None else None
+        # The frozen bottom's states of the captured and test questions as training encoded them: the versions judged
+        # below run their top layers from them. The trainer itself (model, optimizer) goes now.
+        frozen = None if trainer is None else FrozenStates.of_sets(trainer.model, trainer.first_trained, trainer.sets)
         del trainer
-        beat.note("trained; judging the candidate", "judging")
+        beat.note("trained; judging the candidate" + (f" from the states training encoded below layer {frozen.layer} "
+                                                      f"({len(frozen.states)} questions)" if frozen else ""), "judging")
         model_path = str(resolve_model(train_cfg.model).path)
         tests = materialize(load_split(split_path)).role("test_in_domain")
         judged = labelled if len(labelled) >= self.cfg.min_feedback_labels and parent_artifact is not None else []
@@ -336,6 +337,7 @@ class Worker:
         return self._decide(job, record.version, result, beat)
 
     def _train(self, train_cfg, beat: Heartbeat) -> Path:
+        """The exported artifact of _run_training."""
         return self._run_training(train_cfg, beat)[0]
 
     def _run_training(self, train_cfg, beat: Heartbeat) -> tuple[Path, Trainer | None]:
