@@ -241,6 +241,8 @@ def test_init_from_starts_theta_and_alpha_at_the_artifact_and_refuses_another_lo
     served_model.config.rms_norm_eps *= 10
     assert not frozen.serve(served_model)
     served_model.config.rms_norm_eps /= 10
+    served_model.config.use_cache = not served_model.config.use_cache  # what a forward returns, not its states
+    assert frozen.serve(served_model)
     with torch.no_grad():
         decoder(served_model)[0].layers[3].mlp.down_proj.weight[0, 0] += 1e-3
     assert not frozen.serve(served_model) and bottom_digest(served_model, 3) == bottom_digest(trainer.model, 3)

@@ -30,12 +30,18 @@ if TYPE_CHECKING:
 JUDGED_ROLES = ("calibration", "test_in_domain")
 
 
+# Config fields that do not change a hidden state (where the model was read from, what a forward returns, the library
+# that wrote it; dtypes are hashed with the tensors), so a model loaded one way and trained another still matches.
+NOT_NUMERIC = {"name_or_path", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+               "transformers_version", "architectures", "torch_dtype", "dtype"}
+
+
 def bottom_digest(model, layer: int) -> str:
     """sha256 over what the hidden states entering decoder layer `layer` depend on: the token embeddings, every
     parameter and buffer of the layers below it and of the rotary embedding (their names, dtypes and values), and the
-    model's config (norm epsilon, rope scaling; where it was read from left out)."""
+    model's config (norm epsilon, rope scaling; NOT_NUMERIC left out)."""
     stack, _ = decoder(model)
-    config = {k: v for k, v in stack.config.to_dict().items() if not k.startswith("_") and k != "name_or_path"}
+    config = {k: v for k, v in stack.config.to_dict().items() if not k.startswith("_") and k not in NOT_NUMERIC}
     h = hashlib.sha256(json.dumps([layer, config], sort_keys=True, default=str).encode())
     modules = [("embed_tokens", stack.embed_tokens), ("rotary_emb", stack.rotary_emb)]
     modules += [(f"layers.{i}", stack.layers[i]) for i in range(layer)]
