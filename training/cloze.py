@@ -84,12 +84,13 @@ def pad_packed(items: list[PackedQuestion], rows: list[torch.Tensor], fill) -> t
 def encode_packed(model, items: list[PackedQuestion], first_trained: int, batch_size: int = 16, progress=None) -> None:
     """Fill each item's `hidden` with the states entering layer `first_trained` (the frozen bottom, run once)."""
     stack, _ = decoder(model)
+    device = stack.embed_tokens.weight.device
     order = sorted(range(len(items)), key=lambda i: len(items[i]))
     for start in range(0, len(order), batch_size):
         batch = [items[i] for i in order[start : start + batch_size]]
-        ids = pad_packed(batch, [q.input_ids for q in batch], 0)
-        segment = pad_packed(batch, [q.segment for q in batch], PAD_SEGMENT)
-        positions = pad_packed(batch, [q.positions for q in batch], 0)
+        ids = pad_packed(batch, [q.input_ids for q in batch], 0).to(device)
+        segment = pad_packed(batch, [q.segment for q in batch], PAD_SEGMENT).to(device)
+        positions = pad_packed(batch, [q.positions for q in batch], 0).to(device)
         hidden = run_layers_masked(stack, stack.layers[:first_trained], stack.embed_tokens(ids), packed_mask(segment),
                                    positions)
         for row, q in enumerate(batch):

@@ -29,7 +29,7 @@ import torch
 from calm_core.alpha_head import AlphaHead
 from calm_core.engine import EngineDelta, EngineRejected, EngineRequest
 from calm_core.prompts import ClozeTokens
-from training.cloze import PAD_SEGMENT, PackedQuestion, pack_question, packed_mask, pad_packed
+from training.cloze import PAD_SEGMENT, PackedQuestion, encode_packed, pack_question, packed_mask, pad_packed
 from training.frozen_states import FrozenStates
 from training.top_layers import decoder, run_layers_masked
 
@@ -185,15 +185,12 @@ class OfflineEngine:
     def _frozen_states(self, packed: list[PackedQuestion]) -> torch.Tensor:
         """The states entering the first layer above the frozen bottom, padded as the packed rows: those the frozen
         states hold, the others computed now through the bottom and kept there for the next model that shares it."""
-        frozen, stack = self.frozen, decoder(self.model)[0]
+        frozen = self.frozen
         missing = [q for q in packed if q not in frozen]
-        if missing:
-            segment = pad_packed(missing, [q.segment for q in missing], PAD_SEGMENT).to(self.device)
-            positions = pad_packed(missing, [q.positions for q in missing], 0).to(self.device)
-            bottom = run_layers_masked(stack, stack.layers[: frozen.layer], self._embedded(missing),
-                                       packed_mask(segment), positions)
-            for row, q in enumerate(missing):
-                frozen.add(q, bottom[row, : len(q)].clone())
+        if missing:  # encoded as training encodes them, in one batch
+            encode_packed(self.model, missing, frozen.layer, batch_size=len(missing))
+            for q in missing:
+                frozen.add(q, q.hidden)
         return pad_packed(packed, [frozen.rows(q).to(self.device) for q in packed], 0.0)
 
     @torch.inference_mode()
