@@ -54,6 +54,24 @@ def test_a_plain_forkserver_child_would_not_see_it(context, monkeypatch):
     proc.join(120)
 
 
+def report_frozen(queue) -> None:
+    import gc
+
+    queue.put(gc.get_freeze_count())
+
+
+def test_a_forked_child_starts_with_the_servers_heap_frozen(context):
+    """What it inherited (the preloaded modules' objects) is out of every collection the child runs: vLLM collects
+    twice while it loads a model. Without the freeze the child would report 0 (nothing is frozen in the server)."""
+    queue = context.Queue()
+    proc = context.Process(target=report_frozen, args=(queue,))
+    proc.start()
+    frozen = queue.get(timeout=120)
+    proc.join(120)
+    assert proc.exitcode == 0
+    assert frozen > 10_000, frozen  # the server imported at least the multiprocessing and test modules
+
+
 def test_the_context_makes_carrying_processes_and_forkserver_queues(context):
     assert isinstance(context.Process(target=print), EnvCarryingProcess)
     assert context.get_start_method() == "forkserver"

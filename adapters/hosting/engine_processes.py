@@ -22,6 +22,7 @@ server exits once its last child has.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -51,6 +52,11 @@ class EnvCarryingProcess(ForkServerProcess):
         super().start()
 
     def run(self) -> None:
+        # The objects inherited from the server (vLLM, torch and transformers imported: over a million) live as long as
+        # the process: frozen, the collections vLLM runs while loading the model (gc.collect() twice, and before its
+        # own freeze once started) skip them (benchmarks/results/engine_start_revision.md: an engine core's start with
+        # and without), and leave their pages shared with the server.
+        gc.freeze()
         os.environ.clear()
         os.environ.update(self._parent_env)
         apply_omp_threads()

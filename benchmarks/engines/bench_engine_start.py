@@ -6,6 +6,8 @@ that runs the model) and "uni" (the model runs in the engine-core process; our C
 per engine) and "forkserver" (forked from one server that imported vLLM once; our CPU default).
 `--compare answers`: CALM_ANSWERS "all" (the default: the free-form mode's engine too) and "multiple_choice" (no engine
 for free form; a free-form request is refused with a 400, checked here).
+`--compare revision --revision REV`: the same gateway from a worktree of commit REV and from this checkout (a change to
+how engines start, measured side by side: e.g. the engine cores' frozen heap, REV 8377a98).
 
 Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
 process tree had used by then, the tree's CPU and memory (PSS) once one multiple-choice answer is served, then seconds
@@ -14,7 +16,7 @@ names, and the option probabilities (both ways must give the same numbers).
 
     python benchmarks/engines/bench_engine_start.py [--compare executor|start|answers] [--rounds 2]
         -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start),
-           engine_start_answers.{json,md} (answers)
+           engine_start_answers.{json,md} (answers), engine_start_revision.{json,md} (revision)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +44,8 @@ from tests.servers import calm_argv, free_port, running  # noqa: E402
 WAYS = {"executor": {"mp": {"CALM_EXECUTOR": "mp"}, "uni": {"CALM_EXECUTOR": "uni"}},
         "start": {"spawn": {"CALM_ENGINE_START": "spawn"}, "forkserver": {"CALM_ENGINE_START": "forkserver"}},
         "answers": {"all": {"CALM_ANSWERS": "all"}, "multiple_choice": {"CALM_ANSWERS": "multiple_choice"}}}
-OUT = {"executor": "engine_start", "start": "engine_start_forkserver", "answers": "engine_start_answers"}
+OUT = {"executor": "engine_start", "start": "engine_start_forkserver", "answers": "engine_start_answers",
+       "revision": "engine_start_revision"}
 ADMIN = {"Authorization": "Bearer dev-admin-key"}  # /health names the engines to the admin only
 
 
@@ -53,13 +57,13 @@ def ask(base: str, q) -> list[float]:
     return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
 
 
-def one_run(way: str, env: dict, questions, work: Path) -> dict:
+def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**env, "CALM_DB_PATH": str(work / f"{way}.sqlite3"), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{way}.log", env,
-                 timeout=600) as proc:
+                 timeout=600, cwd=cwd) as proc:  # `python -m calm_cli` runs the code of the folder it starts in
         # User + system CPU of the gateway and its live processes (none of them has ended by then).
         ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
         ask(base, questions[0])  # the first request starts vLLM's output handlers
@@ -81,27 +85,48 @@ def one_run(way: str, env: dict, questions, work: Path) -> dict:
             "probabilities": probabilities}
 
 
+def checkout_state() -> str:
+    git = ["git", "-C", str(REPO)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    return f"{head} with uncommitted changes" if changed else head
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compare", choices=sorted(WAYS), default="executor")
+    parser.add_argument("--compare", choices=sorted([*WAYS, "revision"]), default="executor")
+    parser.add_argument("--revision", help="with --compare revision: the commit to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if (args.compare == "revision") != (args.revision is not None):
+        parser.error("--revision goes with --compare revision, and only there")
     out = args.out or REPO / "benchmarks" / "results" / OUT[args.compare]
-    ways = WAYS[args.compare]
-    (a, b) = ways  # the default of vLLM's CPU platform, then ours
     questions = load_mc("arc_easy", "test")[:64]  # from $CALM_DATA_DIR, else the checkout's ../shared/data
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for round_ in range(args.rounds):
-            for way, env in ways.items():
-                run = one_run(way, env, questions, Path(tmp))
-                print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
-                      f"one answer: {run['first_answer_cpu_s']:.1f} CPU s, {run['first_answer_pss_gb']:.2f} GB; "
-                      f"64 questions in {run['questions_s']:.1f} s, {run['cpu_s']:.1f} CPU s, {run['pss_gb']:.2f} GB; "
-                      f"engines {', '.join(run['engines'])}; free form: {run['free_form_status']}\n  {run['start_line']}",
-                      flush=True)
-                runs.append(run)
+        if args.compare == "revision":
+            old = Path(tmp) / "worktree"
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), args.revision], check=True,
+                           capture_output=True)
+            ways, folders = {args.revision: {}, "checkout": {}}, {args.revision: old}
+        else:
+            ways, folders = WAYS[args.compare], {}
+        (a, b) = ways  # the default of vLLM's CPU platform (or the older commit), then ours
+        try:
+            for round_ in range(args.rounds):
+                for way, env in ways.items():
+                    run = one_run(way, env, questions, Path(tmp), folders.get(way, REPO))
+                    print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
+                          f"one answer: {run['first_answer_cpu_s']:.1f} CPU s, {run['first_answer_pss_gb']:.2f} GB; "
+                          f"64 questions in {run['questions_s']:.1f} s, {run['cpu_s']:.1f} CPU s, {run['pss_gb']:.2f} GB; "
+                          f"engines {', '.join(run['engines'])}; free form: {run['free_form_status']}\n  {run['start_line']}",
+                          flush=True)
+                    runs.append(run)
+        finally:
+            if folders:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
     keys = ("ready_s", "ready_cpu_s", "first_answer_cpu_s", "first_answer_pss_gb", "questions_s", "cpu_s", "pss_gb")
     by = {w: [r for r in runs if r["way"] == w] for w in ways}
     median = {w: {k: statistics.median(r[k] for r in by[w]) for k in keys} for w in ways}
@@ -114,7 +139,8 @@ def main() -> None:
                "runs": [{k: v for k, v in r.items() if k != "probabilities"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start",
-            "answers": "The answers a gateway serves (CALM_ANSWERS)"}[args.compare]
+            "answers": "The answers a gateway serves (CALM_ANSWERS)",
+            "revision": f"The same gateway at commit {a} and in this checkout ({checkout_state()})"}[args.compare]
     lines = [f"# {what} under `calm serve` (`python benchmarks/engines/bench_engine_start.py --compare {args.compare}`)", "",
              f"The shipped gateway, {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
              "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree from launch (user + system); memory: "
