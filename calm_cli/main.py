@@ -13,6 +13,10 @@ import sys
 import typer
 
 from calm_cli import artifacts, evaluate, jobs, keys, reviews, serve, train
+from calm_core.collector import collect_young_less_often
+
+# Before a command runs: its heavy imports (inside the commands) are what calm_core/collector.py is for.
+collect_young_less_often()
 
 app = typer.Typer(help="CALM Gateway: calibrated LLM confidence.", no_args_is_help=True, add_completion=False)
 for top_level in (evaluate.commands, train.commands, serve.commands):  # eval; train, report; serve, engine, worker

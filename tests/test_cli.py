@@ -244,3 +244,13 @@ def test_a_command_that_would_create_a_database_nobody_named_says_so(tmp_path):
     assert f"no gateway database at {tmp_path / '.calm' / 'gateway.sqlite3'}" in first.stderr
     assert "CALM_DB_PATH" in first.stderr and (tmp_path / ".calm" / "gateway.sqlite3").exists()
     assert second.returncode == 0 and "warning" not in second.stderr  # the same folder's database, now there
+
+
+def test_a_calm_command_collects_its_young_generation_less_often():
+    """Set before any command's heavy imports (calm_core/collector.py); CPython's own would be 700."""
+    from calm_core.collector import YOUNG_GENERATION_THRESHOLD
+
+    out = subprocess.run([sys.executable, "-c", "import gc, calm_cli.main; print(gc.get_threshold()[0])"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) == YOUNG_GENERATION_THRESHOLD

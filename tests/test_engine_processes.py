@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from adapters.hosting.engine_processes import EngineCoreContext, EnvCarryingProcess
+from calm_core.collector import CPYTHON_THRESHOLDS, YOUNG_GENERATION_THRESHOLD
 from tests.servers import REPO
 
 
@@ -70,6 +71,38 @@ def test_a_forked_child_starts_with_the_servers_heap_frozen(context):
     proc.join(120)
     assert proc.exitcode == 0
     assert frozen > 10_000, frozen  # the server imported at least the multiprocessing and test modules
+
+
+def report_collector(queue) -> None:
+    import gc
+
+    queue.put(gc.get_threshold()[0])
+
+
+def test_the_engine_server_imports_vllm_collecting_less_and_its_engine_cores_serve_as_cpython_does():
+    """The server imports the collector's setting before vLLM (PRELOAD's first module); a forked engine core goes back
+    to CPython's. In fresh interpreters with CPython's setting (only that module preloaded: vLLM's would cost ~8 s)."""
+    server = subprocess.run([sys.executable, "-c", "import gc, importlib; from adapters.hosting.engine_processes import "
+                             "PRELOAD; importlib.import_module(PRELOAD[0]); print(gc.get_threshold()[0])"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert server.returncode == 0, server.stderr[-2000:]
+    assert int(server.stdout) == YOUNG_GENERATION_THRESHOLD
+    script = textwrap.dedent("""
+        import multiprocessing
+        from adapters.hosting.engine_processes import PRELOAD, EngineCoreContext
+        from tests.test_engine_processes import report_collector
+
+        if __name__ == "__main__":
+            multiprocessing.set_forkserver_preload(PRELOAD[:1])
+            context = EngineCoreContext()
+            queue = context.Queue()
+            child = context.Process(target=report_collector, args=(queue,))
+            child.start(); print(queue.get(timeout=120)); child.join(120)
+    """)
+    core = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert core.returncode == 0, core.stderr[-2000:]
+    assert int(core.stdout) == CPYTHON_THRESHOLDS[0]
 
 
 def test_the_context_makes_carrying_processes_and_forkserver_queues(context):

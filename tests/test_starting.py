@@ -12,8 +12,9 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
+from calm_core.collector import YOUNG_GENERATION_THRESHOLD
 from calm_core.errors import CalmError
-from gateway.edge.starting import RETRY_AFTER_S, YOUNG_GENERATION_THRESHOLD, StartingApp
+from gateway.edge.starting import RETRY_AFTER_S, StartingApp
 
 
 def inner_app(events: list[str]) -> FastAPI:

@@ -32,11 +32,13 @@ import threading
 from multiprocessing.context import ForkServerProcess
 
 from adapters.hosting.cpu_limits import omp_threads_set
+from calm_core.collector import collect_as_cpython
 
 log = logging.getLogger(__name__)
-# What the server imports before it forks: the engine core, the CPU worker and model code it runs for the embedded
-# model, and our logits processor and LoRA resolver (vLLM's plugins). A module missing here is imported by each child.
-PRELOAD = ["vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
+# What the server imports before it forks: first the collector's setting (before the imports it is for), then the engine
+# core, the CPU worker and model code it runs for the embedded model, and our logits processor and LoRA resolver (vLLM's
+# plugins). A module missing here is imported by each child.
+PRELOAD = ["adapters.hosting.engine_server_preamble", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
            "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn", "vllm.model_executor.model_loader",
            "vllm.model_executor.models.llama", "adapters.vllm_plugins.alpha", "adapters.vllm_plugins.core_share",
            "adapters.vllm_plugins.lora_resolver"]
@@ -57,6 +59,7 @@ class EnvCarryingProcess(ForkServerProcess):
         # own freeze once started) skip them (benchmarks/results/engine_start_revision.md: an engine core's start with
         # and without), and leave their pages shared with the server.
         gc.freeze()
+        collect_as_cpython()  # the server's setting was for its imports (engine_server_preamble.py)
         os.environ.clear()
         os.environ.update(self._parent_env)
         apply_omp_threads()

@@ -16,15 +16,11 @@ import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
+from calm_core.collector import collect_young_less_often
 from gateway.errors import error_body
 
 log = logging.getLogger("calm.gateway")
 RETRY_AFTER_S = 5
-# Collect the young generation every 20,000 net allocations instead of CPython's 700, once the start is frozen: a
-# request's objects are freed by reference counting, and the default's frequent passes only rescanned the objects of
-# requests in flight (61 µs of a request's CPU at the ceiling, ~5 %; 0.7 µs at 20,000; a pass then takes ~2 ms on
-# the slowest machine measured). docs/performance.md: how it was measured.
-YOUNG_GENERATION_THRESHOLD = 20_000
 
 
 class StartingApp:
@@ -57,7 +53,7 @@ class StartingApp:
         # (vLLM's server does the same after its start; benchmarks/gateway/bench_lean.py measured the ceiling with and without).
         gc.collect()
         gc.freeze()
-        gc.set_threshold(YOUNG_GENERATION_THRESHOLD, *gc.get_threshold()[1:])
+        collect_young_less_often()  # as `calm` set it already; a server started otherwise gets it here
         self.on_ready()
 
     async def _lifespan_events(self, receive, send) -> None:
