@@ -4,7 +4,8 @@ A `calm` command, the gateway and the engine-core server import torch, transform
 that live as long as the process. At CPython's setting (a young-generation pass every 700 net allocations) the imported
 objects reach the oldest generation quickly, and a full pass runs each time that generation has grown by a quarter:
 while the modules load, full passes walk the growing heap again and again, 1.8 of the 8.7 CPU s that importing a
-gateway's modules takes (9 full passes; `python benchmarks/engines/bench_collector.py`: benchmarks/results/collector.md).
+gateway's modules takes (9 full passes; `python benchmarks/engines/bench_collector.py`:
+benchmarks/results/collector.md).
 A young pass every 20,000 allocations leaves none. Serving keeps it: a request's objects die young (reference counting
 frees them), and in the gateway the default's frequent passes only rescanned the objects of requests in flight (61 µs
 of a request's CPU at its ceiling, ~5 %; 0.7 µs at 20,000; a pass then takes ~2 ms on the slowest machine measured;

@@ -251,6 +251,7 @@ def test_a_calm_command_collects_its_young_generation_less_often():
     from calm_core.collector import YOUNG_GENERATION_THRESHOLD
 
     out = subprocess.run([sys.executable, "-c", "import gc, calm_cli.main; print(gc.get_threshold()[0])"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout) == YOUNG_GENERATION_THRESHOLD

@@ -84,7 +84,8 @@ def test_the_engine_server_imports_vllm_collecting_less_and_its_engine_cores_ser
     to CPython's. In fresh interpreters with CPython's setting (only that module preloaded: vLLM's would cost ~8 s)."""
     server = subprocess.run([sys.executable, "-c", "import gc, importlib; from adapters.hosting.engine_processes import "
                              "PRELOAD; importlib.import_module(PRELOAD[0]); print(gc.get_threshold()[0])"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     assert server.returncode == 0, server.stderr[-2000:]
     assert int(server.stdout) == YOUNG_GENERATION_THRESHOLD
     script = textwrap.dedent("""
@@ -103,6 +104,36 @@ def test_the_engine_server_imports_vllm_collecting_less_and_its_engine_cores_ser
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert core.returncode == 0, core.stderr[-2000:]
     assert int(core.stdout) == CPYTHON_THRESHOLDS[0]
+
+
+GLOO_GROUPS = textwrap.dedent("""
+    import os, sys, tempfile
+    import torch, torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from adapters.hosting.gloo_device import share_one_gloo_device
+
+    shared = sys.argv[1] == "shared" and share_one_gloo_device()
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    groups = [dist.new_group([0], backend="gloo") for _ in range(12)]  # vLLM's CPU worker makes 13 with the world's
+    loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
+    x = torch.arange(3.0)
+    dist.all_reduce(x, group=groups[3]); dist.broadcast(x, 0, group=groups[7]); dist.barrier(group=groups[11])
+    # torch's checks see a backend it hands back from C++ (of the stock class) as a ProcessGroupGloo
+    known = isinstance(groups[5]._get_backend(torch.device("cpu")), c10d.ProcessGroupGloo)
+    dist.destroy_process_group()
+    print(shared, loops, x.tolist() == [0.0, 1.0, 2.0], known)
+""")
+
+
+@pytest.mark.parametrize("way", ["stock", "shared"])
+def test_an_engine_cores_gloo_groups_share_one_loop_thread(way):
+    """13 gloo groups in one process, as vLLM's CPU worker makes them: torch's own way, a TCP device and a loop thread
+    waking every 10 ms for each; with adapters/hosting/gloo_device.py one for all, and the groups work as before."""
+    out = subprocess.run([sys.executable, "-c", GLOO_GROUPS, way], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    shared, loops, summed, known = out.stdout.split()
+    assert (shared, loops, summed, known) == (("True", "1") if way == "shared" else ("False", "13")) + ("True", "True")
 
 
 def test_the_context_makes_carrying_processes_and_forkserver_queues(context):

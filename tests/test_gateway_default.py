@@ -4,6 +4,8 @@ artifact's LoRA weights and α head, checked against HF transformers + peft (fp3
 
 from __future__ import annotations
 
+import os
+
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,7 +39,7 @@ def started(tmp_path_factory, embedded_model_dir):
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "OMP_NUM_THREADS": ""}
     with background(calm_argv("serve", "--port", str(port)), log, env) as proc:
         rounds = watch_start(base, proc, log)
-        yield {"base": base, "rounds": rounds, "log": log, "db": tmp / "gw.sqlite3"}
+        yield {"base": base, "rounds": rounds, "log": log, "db": tmp / "gw.sqlite3", "pid": proc.pid}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +50,19 @@ def gateway(started):
 @pytest.fixture(scope="module")
 def client(gateway):
     return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_each_engine_core_runs_one_gloo_loop_thread(started):
+    """vLLM's 13 gloo groups of an engine core share one TCP device (adapters/hosting/gloo_device.py), whose loop thread
+    wakes every 10 ms: torch's own way would run 13 (tests/test_engine_processes.py shows both in one process)."""
+    import psutil
+
+    def loops(process) -> int:
+        return sum(open(f"/proc/{process.pid}/task/{t}/comm").read().strip() == "gloo_tcp_loop"
+                   for t in os.listdir(f"/proc/{process.pid}/task"))
+
+    cores = [(p, loops(p)) for p in psutil.Process(started["pid"]).children(recursive=True) if loops(p)]
+    assert len(cores) == 3 and all(n == 1 for _, n in cores), [(p.cmdline()[:3], n) for p, n in cores]
 
 
 def calibration(choice) -> dict:

@@ -28,10 +28,12 @@ import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
 from multiprocessing.context import ForkServerProcess
 
 from adapters.hosting.cpu_limits import omp_threads_set
+from adapters.hosting.gloo_device import share_one_gloo_device
 from calm_core.collector import collect_as_cpython
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ _installed = False
 
 
 class EnvCarryingProcess(ForkServerProcess):
-    """A forkserver process that runs with the environment its parent had when it called start()."""
+    """A forkserver process that starts as an engine core should: the server's heap frozen, CPython's collector, one
+    gloo device for its process groups, and the environment its parent had when it called start()."""
 
     def start(self) -> None:
         self._parent_env = dict(os.environ)
@@ -60,6 +63,8 @@ class EnvCarryingProcess(ForkServerProcess):
         # and without), and leave their pages shared with the server.
         gc.freeze()
         collect_as_cpython()  # the server's setting was for its imports (engine_server_preamble.py)
+        if "torch.distributed" in sys.modules:  # preloaded: an engine core (not worth importing torch for elsewhere)
+            share_one_gloo_device()  # before vLLM makes its 13 process groups (gloo_device.py)
         os.environ.clear()
         os.environ.update(self._parent_env)
         apply_omp_threads()

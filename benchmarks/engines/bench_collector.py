@@ -3,8 +3,8 @@ threshold (700) and at calm_core/collector.py's (20,000), side by side.
 
 Each round and threshold: a fresh interpreter sets the threshold, times every collection (gc.callbacks) and imports
 what a gateway imports before it serves (the gateway app, the in-process vLLM client, vLLM's async engine,
-transformers' tokenizer classes; the CLI last, as it sets the threshold itself); it reports its CPU seconds, those spent in collections, and the full (oldest
-generation) collections run.
+transformers' tokenizer classes; the CLI last, as it sets the threshold itself); it reports its CPU seconds, those
+spent in collections, and the full (oldest generation) collections run.
 
     python benchmarks/engines/bench_collector.py [--rounds 5] -> benchmarks/results/collector.{json,md}
 """
@@ -56,12 +56,14 @@ def main() -> None:
             print(f"round {round_ + 1}: {runs[-1]}", flush=True)
     median = {t: {k: statistics.median(r[k] for r in runs if r["threshold"] == t)
                   for k in ("cpu_s", "collector_s", "full_collections")} for t in THRESHOLDS}
-    args.out.with_suffix(".json").write_text(json.dumps({"rounds": args.rounds, "median": median, "runs": runs}, indent=1))
+    summary = {"rounds": args.rounds, "median": median, "runs": runs}
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     lines = ["# The collector while a gateway's modules import (`python benchmarks/engines/bench_collector.py`)", "",
              f"{args.rounds} interleaved rounds, medians; a fresh interpreter each.", "",
              "| young-generation threshold | CPU to import (s) | in the collector (s) | full collections |",
              "|---:|---:|---:|---:|"]
-    lines += [f"| {t:,} | {m['cpu_s']:.2f} | {m['collector_s']:.2f} | {m['full_collections']:.0f} |" for t, m in median.items()]
+    lines += [f"| {t:,} | {m['cpu_s']:.2f} | {m['collector_s']:.2f} | {m['full_collections']:.0f} |"
+              for t, m in median.items()]
     a, b = (median[t]["cpu_s"] for t in THRESHOLDS)
     lines += ["", f"CPU {THRESHOLDS[1]:,} / {THRESHOLDS[0]}: {b / a:.2f}."]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -10,8 +10,9 @@ for free form; a free-form request is refused with a 400, checked here).
 how engines start, measured side by side: e.g. the engine cores' frozen heap, REV 8377a98).
 
 Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
-process tree had used by then, the tree's CPU and memory (PSS) once one multiple-choice answer is served, then seconds
-for 64 ARC-Easy multiple-choice questions at concurrency 8, the tree's CPU and memory after them, the engines /health
+process tree had used by then, the tree's CPU and memory (PSS) once one multiple-choice answer is served, the share of
+a core it uses idle over the next 30 s (the engines' background threads), then seconds for 64 ARC-Easy multiple-choice
+questions at concurrency 8, the tree's CPU and memory after them, the engines /health
 names, and the option probabilities (both ways must give the same numbers).
 
     python benchmarks/engines/bench_engine_start.py [--compare executor|start|answers] [--rounds 2]
@@ -47,6 +48,7 @@ WAYS = {"executor": {"mp": {"CALM_EXECUTOR": "mp"}, "uni": {"CALM_EXECUTOR": "un
 OUT = {"executor": "engine_start", "start": "engine_start_forkserver", "answers": "engine_start_answers",
        "revision": "engine_start_revision"}
 ADMIN = {"Authorization": "Bearer dev-admin-key"}  # /health names the engines to the admin only
+IDLE_S = 30
 
 
 def ask(base: str, q) -> list[float]:
@@ -68,6 +70,10 @@ def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO) -> dic
         ready, ready_cpu = time.monotonic() - t0, sum(tree_cpu_s(proc.pid).values())
         ask(base, questions[0])  # the first request starts vLLM's output handlers
         first_cpu, first_pss = sum(tree_cpu_s(proc.pid).values()), tree_pss_gb(proc.pid)
+        time.sleep(5)  # then idle: what the gateway and its engines use while nothing is asked
+        before, t_idle = sum(tree_cpu_s(proc.pid).values()), time.monotonic()
+        time.sleep(IDLE_S)
+        idle_core_pct = 100 * (sum(tree_cpu_s(proc.pid).values()) - before) / (time.monotonic() - t_idle)
         t1 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
             probabilities = list(pool.map(lambda q: ask(base, q), questions))
@@ -79,7 +85,8 @@ def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO) -> dic
         free_form = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
             "model": "calm-smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]})
     return {"way": way, "ready_s": ready, "ready_cpu_s": ready_cpu, "first_answer_cpu_s": first_cpu,
-            "first_answer_pss_gb": first_pss, "questions_s": answered, "cpu_s": cpu, "pss_gb": pss, "engines": engines,
+            "first_answer_pss_gb": first_pss, "idle_core_pct": idle_core_pct, "questions_s": answered, "cpu_s": cpu,
+            "pss_gb": pss, "engines": engines,
             "start_line": started,
             "free_form_status": free_form.status_code, "free_form_error": free_form.json().get("error"),
             "probabilities": probabilities}
@@ -87,7 +94,8 @@ def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO) -> dic
 
 def checkout_state() -> str:
     git = ["git", "-C", str(REPO)]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
     changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                              check=True).stdout.strip()
     return f"{head} with uncommitted changes" if changed else head
@@ -118,16 +126,20 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for way, env in ways.items():
                     run = one_run(way, env, questions, Path(tmp), folders.get(way, REPO))
-                    print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s ({run['ready_cpu_s']:.1f} CPU s), "
+                    print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s "
+                          f"({run['ready_cpu_s']:.1f} CPU s), "
                           f"one answer: {run['first_answer_cpu_s']:.1f} CPU s, {run['first_answer_pss_gb']:.2f} GB; "
-                          f"64 questions in {run['questions_s']:.1f} s, {run['cpu_s']:.1f} CPU s, {run['pss_gb']:.2f} GB; "
-                          f"engines {', '.join(run['engines'])}; free form: {run['free_form_status']}\n  {run['start_line']}",
+                          f"idle: {run['idle_core_pct']:.2f} % of a core; "
+                          f"64 questions in {run['questions_s']:.1f} s, {run['cpu_s']:.1f} CPU s, "
+                          f"{run['pss_gb']:.2f} GB; engines {', '.join(run['engines'])}; "
+                          f"free form: {run['free_form_status']}\n  {run['start_line']}",
                           flush=True)
                     runs.append(run)
         finally:
             if folders:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=False)
-    keys = ("ready_s", "ready_cpu_s", "first_answer_cpu_s", "first_answer_pss_gb", "questions_s", "cpu_s", "pss_gb")
+    keys = ("ready_s", "ready_cpu_s", "first_answer_cpu_s", "first_answer_pss_gb", "idle_core_pct", "questions_s",
+            "cpu_s", "pss_gb")
     by = {w: [r for r in runs if r["way"] == w] for w in ways}
     median = {w: {k: statistics.median(r[k] for r in by[w]) for k in keys} for w in ways}
     diff = max(abs(x - y) for ra, rb in zip(by[a], by[b])
@@ -146,10 +158,12 @@ def main() -> None:
              "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree from launch (user + system); memory: "
              "its PSS.", "",
              f"| {args.compare} | engines | launch to /health 200 (s) | CPU by then (s) | CPU, one answer served (s) | "
-             "PSS then (GB) | 64 questions (s) | CPU after them (s) | PSS after them (GB) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"PSS then (GB) | idle, then {IDLE_S} s (% of a core) | 64 questions (s) | CPU after them (s) | "
+             "PSS after them (GB) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {w} | {', '.join(by[w][0]['engines'])} | {m['ready_s']:.1f} | {m['ready_cpu_s']:.1f} | "
-              f"{m['first_answer_cpu_s']:.1f} | {m['first_answer_pss_gb']:.2f} | {m['questions_s']:.1f} | "
+              f"{m['first_answer_cpu_s']:.1f} | {m['first_answer_pss_gb']:.2f} | {m['idle_core_pct']:.2f} | "
+              f"{m['questions_s']:.1f} | "
               f"{m['cpu_s']:.1f} | {m['pss_gb']:.2f} |" for w, m in median.items()]
     lines += ["", "A free-form request (1 token): " + "; ".join(
         f"{w} {by[w][0]['free_form_status']}" + (f" ({by[w][0]['free_form_error']['code']})"
