@@ -357,9 +357,13 @@ def _write_times(terminalreporter, config) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def _heap_frozen_per_file():
     """What is alive when a file starts (the modules imported so far, session fixtures) is out of the collector's way
-    for the file: a full collection walks only what the file made. Collected first, so no garbage is frozen. 6.8 -> 2.1
-    CPU s of full collections in the test process over tests/test_training_run.py, test_recalibration.py and
-    test_offline_scoring.py (a gc.callbacks timer in a sitecustomize; docs/testing.md)."""
+    for the file: a full collection walks only what the file made. Collected first, so no garbage is frozen; the last
+    failure's traceback, which pytest keeps in sys.last_* (the frames and fixture values of a test of the previous file),
+    is dropped first. 6.8 -> 2.1 CPU s of full collections in the test process over tests/test_training_run.py,
+    test_recalibration.py and test_offline_scoring.py (benchmarks/engines/gc_timer: docs/testing.md)."""
+    for name in ("last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            delattr(sys, name)
     gc.collect()
     gc.freeze()
     yield

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from adapters.hosting.engine_processes import EngineCoreContext, EnvCarryingProcess
-from calm_core.collector import CPYTHON_THRESHOLDS, YOUNG_GENERATION_THRESHOLD
+from calm_core.collector import THRESHOLDS_AT_START, YOUNG_GENERATION_THRESHOLD
 from tests.servers import REPO
 
 
@@ -55,55 +55,46 @@ def test_a_plain_forkserver_child_would_not_see_it(context, monkeypatch):
     proc.join(120)
 
 
-def report_frozen(queue) -> None:
-    import gc
-
-    queue.put(gc.get_freeze_count())
-
-
-def test_a_forked_child_starts_with_the_servers_heap_frozen(context):
-    """What it inherited (the preloaded modules' objects) is out of every collection the child runs: vLLM collects
-    twice while it loads a model. Without the freeze the child would report 0 (nothing is frozen in the server)."""
-    queue = context.Queue()
-    proc = context.Process(target=report_frozen, args=(queue,))
-    proc.start()
-    frozen = queue.get(timeout=120)
-    proc.join(120)
-    assert proc.exitcode == 0
-    assert frozen > 10_000, frozen  # the server imported at least the multiprocessing and test modules
-
-
 def report_collector(queue) -> None:
     import gc
 
-    queue.put(gc.get_threshold()[0])
+    queue.put((gc.get_threshold()[0], gc.get_freeze_count()))
 
 
-def test_the_engine_server_imports_vllm_collecting_less_and_its_engine_cores_serve_as_cpython_does():
-    """The server imports the collector's setting before vLLM (PRELOAD's first module); a forked engine core goes back
-    to CPython's. In fresh interpreters with CPython's setting (only that module preloaded: vLLM's would cost ~8 s)."""
-    server = subprocess.run([sys.executable, "-c", "import gc, importlib; from adapters.hosting.engine_processes import "
-                             "PRELOAD; importlib.import_module(PRELOAD[0]); print(gc.get_threshold()[0])"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert server.returncode == 0, server.stderr[-2000:]
-    assert int(server.stdout) == YOUNG_GENERATION_THRESHOLD
-    script = textwrap.dedent("""
+def python(code: str, *args: str) -> str:
+    """`code` run by a fresh interpreter in the checkout; its stdout."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def test_the_engine_server_imports_collecting_less_and_forks_engine_cores_from_a_frozen_heap():
+    """The server sets the collector before its imports (PRELOAD's first module) and collects and freezes what it
+    imported after them (its last); a forked engine core starts with that heap frozen and CPython's collector. In fresh
+    interpreters with CPython's setting and only those two modules preloaded (vLLM's would cost ~8 s)."""
+    assert int(python("import gc, importlib; from adapters.hosting.engine_processes import PRELOAD; "
+                      "importlib.import_module(PRELOAD[0]); print(gc.get_threshold()[0])")) == YOUNG_GENERATION_THRESHOLD
+    threshold, frozen = map(int, python(textwrap.dedent("""
         import multiprocessing
         from adapters.hosting.engine_processes import PRELOAD, EngineCoreContext
-        from tests.test_engine_processes import report_collector
 
         if __name__ == "__main__":
-            multiprocessing.set_forkserver_preload(PRELOAD[:1])
+            multiprocessing.set_forkserver_preload([PRELOAD[0], "tests.test_engine_processes", PRELOAD[-1]])
             context = EngineCoreContext()
             queue = context.Queue()
+            from tests.test_engine_processes import report_collector
             child = context.Process(target=report_collector, args=(queue,))
-            child.start(); print(queue.get(timeout=120)); child.join(120)
-    """)
-    core = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert core.returncode == 0, core.stderr[-2000:]
-    assert int(core.stdout) == CPYTHON_THRESHOLDS[0]
+            child.start(); print(*queue.get(timeout=120)); child.join(120)
+    """)).split())
+    assert threshold == THRESHOLDS_AT_START[0]
+    assert frozen > 10_000, frozen  # the server's modules (pytest's and this file's among them); 0 without the last module
+
+
+def gloo_loop_threads(pid: int | str = "self") -> int:
+    """Threads of a process named as gloo's TCP loop threads are."""
+    tasks = f"/proc/{pid}/task"
+    return sum(open(f"{tasks}/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir(tasks))
 
 
 GLOO_GROUPS = textwrap.dedent("""
@@ -111,11 +102,13 @@ GLOO_GROUPS = textwrap.dedent("""
     import torch, torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from adapters.hosting.gloo_device import share_one_gloo_device
+    from tests.test_engine_processes import gloo_loop_threads
 
     shared = sys.argv[1] == "shared" and share_one_gloo_device()
-    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    folder = tempfile.TemporaryDirectory()
+    dist.init_process_group("gloo", init_method=f"file://{folder.name}/store", rank=0, world_size=1)
     groups = [dist.new_group([0], backend="gloo") for _ in range(12)]  # vLLM's CPU worker makes 13 with the world's
-    loops = sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in os.listdir("/proc/self/task"))
+    loops = gloo_loop_threads()
     x = torch.arange(3.0)
     dist.all_reduce(x, group=groups[3]); dist.broadcast(x, 0, group=groups[7]); dist.barrier(group=groups[11])
     # torch's checks see a backend it hands back from C++ (of the stock class) as a ProcessGroupGloo
@@ -129,10 +122,7 @@ GLOO_GROUPS = textwrap.dedent("""
 def test_an_engine_cores_gloo_groups_share_one_loop_thread(way):
     """13 gloo groups in one process, as vLLM's CPU worker makes them: torch's own way, a TCP device and a loop thread
     waking every 10 ms for each; with adapters/hosting/gloo_device.py one for all, and the groups work as before."""
-    out = subprocess.run([sys.executable, "-c", GLOO_GROUPS, way], capture_output=True, text=True, timeout=300,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    shared, loops, summed, known = out.stdout.split()
+    shared, loops, summed, known = python(GLOO_GROUPS, way).split()
     assert (shared, loops, summed, known) == (("True", "1") if way == "shared" else ("False", "13")) + ("True", "True")
 
 

@@ -4,8 +4,6 @@ artifact's LoRA weights and α head, checked against HF transformers + peft (fp3
 
 from __future__ import annotations
 
-import os
-
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,12 +55,16 @@ def test_each_engine_core_runs_one_gloo_loop_thread(started):
     wakes every 10 ms: torch's own way would run 13 (tests/test_engine_processes.py shows both in one process)."""
     import psutil
 
-    def loops(process) -> int:
-        return sum(open(f"/proc/{process.pid}/task/{t}/comm").read().strip() == "gloo_tcp_loop"
-                   for t in os.listdir(f"/proc/{process.pid}/task"))
+    from tests.test_engine_processes import gloo_loop_threads
 
-    cores = [(p, loops(p)) for p in psutil.Process(started["pid"]).children(recursive=True) if loops(p)]
-    assert len(cores) == 3 and all(n == 1 for _, n in cores), [(p.cmdline()[:3], n) for p, n in cores]
+    loops = {}
+    for process in psutil.Process(started["pid"]).children(recursive=True):
+        try:
+            loops[process.pid] = gloo_loop_threads(process.pid)
+        except OSError:  # a short-lived helper that ended meanwhile
+            continue
+    cores = {pid: n for pid, n in loops.items() if n}
+    assert len(cores) == 3 and set(cores.values()) == {1}, cores
 
 
 def calibration(choice) -> dict:

@@ -22,7 +22,6 @@ server exits once its last child has.
 
 from __future__ import annotations
 
-import gc
 import logging
 import multiprocessing
 import os
@@ -39,17 +38,19 @@ from calm_core.collector import collect_as_cpython
 log = logging.getLogger(__name__)
 # What the server imports before it forks: first the collector's setting (before the imports it is for), then the engine
 # core, the CPU worker and model code it runs for the embedded model, and our logits processor and LoRA resolver (vLLM's
-# plugins). A module missing here is imported by each child.
-PRELOAD = ["adapters.hosting.engine_server_preamble", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
-           "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn", "vllm.model_executor.model_loader",
-           "vllm.model_executor.models.llama", "adapters.vllm_plugins.alpha", "adapters.vllm_plugins.core_share",
-           "adapters.vllm_plugins.lora_resolver"]
+# plugins), last the heap collected and frozen (after the imports it is for). A module missing here is imported by each
+# child.
+PRELOAD = ["adapters.hosting.engine_server_preamble", "vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor",
+           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn",
+           "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "adapters.vllm_plugins.alpha",
+           "adapters.vllm_plugins.core_share", "adapters.vllm_plugins.lora_resolver", "adapters.hosting.engine_server_frozen"]
 _installed = False
 
 
 class EnvCarryingProcess(ForkServerProcess):
-    """A forkserver process that starts as an engine core should: the server's heap frozen, CPython's collector, one
-    gloo device for its process groups, and the environment its parent had when it called start()."""
+    """A forkserver process that starts as an engine core should: CPython's collector (and the server's heap frozen, as
+    the server left it: engine_server_frozen.py), the environment its parent had when it called start(), and one gloo
+    device for its process groups."""
 
     def start(self) -> None:
         self._parent_env = dict(os.environ)
@@ -57,16 +58,11 @@ class EnvCarryingProcess(ForkServerProcess):
         super().start()
 
     def run(self) -> None:
-        # The objects inherited from the server (vLLM, torch and transformers imported: over a million) live as long as
-        # the process: frozen, the collections vLLM runs while loading the model (gc.collect() twice, and before its
-        # own freeze once started) skip them (benchmarks/results/engine_start_revision.md: an engine core's start with
-        # and without), and leave their pages shared with the server.
-        gc.freeze()
         collect_as_cpython()  # the server's setting was for its imports (engine_server_preamble.py)
-        if "torch.distributed" in sys.modules:  # preloaded: an engine core (not worth importing torch for elsewhere)
-            share_one_gloo_device()  # before vLLM makes its 13 process groups (gloo_device.py)
         os.environ.clear()
         os.environ.update(self._parent_env)
+        if "torch.distributed" in sys.modules:  # preloaded: an engine core (not worth importing torch for elsewhere)
+            share_one_gloo_device()  # before vLLM makes its 13 process groups (gloo_device.py), in the parent's environment
         apply_omp_threads()
         terminate_with(self._starter_pid)
         super().run()

@@ -7,12 +7,14 @@ an idle engine core spent ~1.2 % of a core in those 13 threads (`strace -c`: not
 gateway's three engines ~3.6 %, and on a 2-core machine their ~4,000 wake-ups a second interrupt the engines that are
 computing. Groups can share a device (ProcessGroupGloo takes its devices in its options; torch's own tests pass one
 device to many groups), so here every gloo group the process creates without options of its own gets the process's
-one device: one loop thread. `python benchmarks/engines/bench_idle_engine.py` measures an idle gateway both ways.
+one device: one loop thread. `python benchmarks/engines/bench_engine_start.py --compare revision --revision REV` measures
+an idle gateway both ways (benchmarks/results/engine_start_gloo.md).
 
 Applied by replacing `ProcessGroupGloo` in torch.distributed.distributed_c10d, where torch's group factory and its
 type checks look it up, with a subclass that also counts torch's own instances (a backend torch hands back from C++
-is of the original class) as its own. Left as torch has it where its ProcessGroupGloo takes no options with devices,
-or where GLOO_SOCKET_IFNAME names the interfaces (torch then makes a device on each).
+is of the original class) as its own; `torch.distributed.ProcessGroupGloo` (RPC's) stays torch's. Left as torch has it
+where its ProcessGroupGloo takes no options with devices, and for a group made while GLOO_SOCKET_IFNAME names the
+interfaces (torch then makes a device on each).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def share_one_gloo_device() -> bool:
     ProcessGroupGloo cannot be given devices."""
     import torch.distributed as dist
 
-    if not dist.is_available() or not dist.is_gloo_available() or os.environ.get("GLOO_SOCKET_IFNAME"):
+    if not dist.is_available() or not dist.is_gloo_available():
         return False
     import torch.distributed.distributed_c10d as c10d
 
@@ -49,19 +51,21 @@ def share_one_gloo_device() -> bool:
         def __subclasscheck__(cls, subclass) -> bool:
             return issubclass(subclass, stock)
 
-    device = []
+    device = []  # made at the first group; a forked child's loop thread would not exist, so it makes its own
+    os.register_at_fork(after_in_child=device.clear)
 
     class OneDeviceGloo(stock, metaclass=CountsStockInstances):
         shares_one_device = True
 
         def __init__(self, store, rank: int, size: int, *args, **kwargs):
-            given = args[0] if args else kwargs.get("timeout", kwargs.get("options"))
-            if isinstance(given, options_class):  # the caller chose its devices
-                super().__init__(store, rank, size, given)
+            # torch's group factory and vLLM pass `timeout=` alone; any other call (options of its own) goes as torch's
+            timeout = kwargs.get("timeout")
+            if args or set(kwargs) != {"timeout"} or not isinstance(timeout, timedelta) \
+                    or os.environ.get("GLOO_SOCKET_IFNAME"):
+                super().__init__(store, rank, size, *args, **kwargs)
                 return
             options = options_class()
-            if isinstance(given, timedelta):
-                options._timeout = given
+            options._timeout = timeout
             if not device:
                 device.append(stock.create_default_device())
             options._devices = [device[0]]

@@ -7,7 +7,7 @@ per engine) and "forkserver" (forked from one server that imported vLLM once; ou
 `--compare answers`: CALM_ANSWERS "all" (the default: the free-form mode's engine too) and "multiple_choice" (no engine
 for free form; a free-form request is refused with a 400, checked here).
 `--compare revision --revision REV`: the same gateway from a worktree of commit REV and from this checkout (a change to
-how engines start, measured side by side: e.g. the engine cores' frozen heap, REV 8377a98).
+how engines start, measured side by side: e.g. the engine cores' frozen heap, REV c65772a).
 
 Per round and way, interleaved: seconds from launch to the first 200 on /health and the CPU seconds the gateway's
 process tree had used by then, the tree's CPU and memory (PSS) once one multiple-choice answer is served, the share of
