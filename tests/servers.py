@@ -110,6 +110,14 @@ def running(argv: list[str], health_url: str, log_path: Path, env: dict | None =
         yield proc
 
 
+def python(code: str, *args: str) -> str:
+    """`code` run by a fresh interpreter in the checkout; its stdout (a failure's stderr in the assertion)."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def calm_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "calm_cli", *args]
 

@@ -249,9 +249,6 @@ def test_a_command_that_would_create_a_database_nobody_named_says_so(tmp_path):
 def test_a_calm_command_collects_its_young_generation_less_often():
     """Set before any command's heavy imports (calm_core/collector.py); CPython's own would be 700."""
     from calm_core.collector import YOUNG_GENERATION_THRESHOLD
+    from tests.servers import python
 
-    out = subprocess.run([sys.executable, "-c", "import gc, calm_cli.main; print(gc.get_threshold()[0])"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert int(out.stdout) == YOUNG_GENERATION_THRESHOLD
+    assert int(python("import gc, calm_cli.main; print(gc.get_threshold()[0])")) == YOUNG_GENERATION_THRESHOLD

@@ -13,7 +13,7 @@ import pytest
 
 from adapters.hosting.engine_processes import EngineCoreContext, EnvCarryingProcess
 from calm_core.collector import THRESHOLDS_AT_START, YOUNG_GENERATION_THRESHOLD
-from tests.servers import REPO
+from tests.servers import REPO, python
 
 
 def report_variable(name: str, queue) -> None:
@@ -59,14 +59,6 @@ def report_collector(queue) -> None:
     import gc
 
     queue.put((gc.get_threshold()[0], gc.get_freeze_count()))
-
-
-def python(code: str, *args: str) -> str:
-    """`code` run by a fresh interpreter in the checkout; its stdout."""
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 def test_the_engine_server_imports_collecting_less_and_forks_engine_cores_from_a_frozen_heap():

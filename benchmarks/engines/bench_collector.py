@@ -1,8 +1,8 @@
 """What CPython's cyclic collector costs while a `calm` process imports its modules, at CPython's young-generation
 threshold (700) and at calm_core/collector.py's (20,000), side by side.
 
-Each round and threshold: a fresh interpreter sets the threshold, times every collection (gc.callbacks) and imports
-what a gateway imports before it serves (the gateway app, the in-process vLLM client, vLLM's async engine,
+Each round and threshold: a fresh interpreter sets the threshold, times every collection (gc_timer's sitecustomize)
+and imports what a gateway imports before it serves (the gateway app, the in-process vLLM client, vLLM's async engine,
 transformers' tokenizer classes; the CLI last, as it sets the threshold itself); it reports its CPU seconds, those
 spent in collections, and the full (oldest generation) collections run.
 
@@ -13,35 +13,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 THRESHOLDS = (700, 20_000)
+TIMER = REPO / "benchmarks" / "engines" / "gc_timer"  # its sitecustomize times every collection of the child
 CHILD = """
-import gc, json, sys, time
+import gc, sys
 gc.set_threshold(int(sys.argv[1]), *gc.get_threshold()[1:])
-spent, full, began = [0.0], [0], [0.0]
-def timer(phase, info):
-    if phase == "start":
-        began[0] = time.process_time()
-    else:
-        spent[0] += time.process_time() - began[0]
-        full[0] += info["generation"] == 2
-gc.callbacks.append(timer)
 import gateway.app, adapters.clients.inprocess, vllm.v1.engine.async_llm
 from transformers import AutoConfig, AutoTokenizer
 import calm_cli.main  # last: it sets calm_core/collector.py's threshold
-print(json.dumps({"cpu_s": time.process_time(), "collector_s": spent[0], "full_collections": full[0]}))
 """
 
 
 def one(threshold: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(threshold)], capture_output=True, text=True, check=True,
-                         cwd=REPO)
-    return {"threshold": threshold, **json.loads(out.stdout.strip().splitlines()[-1])}
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run([sys.executable, "-c", CHILD, str(threshold)], check=True, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(TIMER), "GC_TIMER_OUT": out})
+        (timed,) = [json.loads(p.read_text()) for p in Path(out).glob("*.json")]  # the child's, alone
+    return {"threshold": threshold, "cpu_s": timed["cpu_s"], "collector_s": sum(timed["collector_s"]),
+            "full_collections": timed["collections"][2]}
 
 
 def main() -> None:
