@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from adapters.hosting.engine_server_fork import EngineServerFork
 from calm_cli.common import gateway_settings, one_line_errors
 from calm_core.errors import CalmError
 from calm_core.startup import StartupLog, stage
@@ -29,6 +30,7 @@ def serve(
 
     from calm_cli.serving import build_gateway
     from gateway.edge.http_server import server_config
+    from gateway.settings import EngineKind
     from gateway.edge.starting import StartingApp
 
     progress = StartupLog().install()
@@ -39,7 +41,10 @@ def serve(
                "/health/live answers now, /health/ready and /v1/* once the engines have started")
     # The server listens at once; the app (model conversion on a first run, merged weights) and its engines are built
     # behind it (gateway/edge/starting.py), which answers 503 "starting" meanwhile.
-    starting = StartingApp(lambda: build_gateway(settings), doing=lambda: f"{progress.current} ({progress.elapsed():.0f} s)")
+    # In-process CPU engines: their server is forked from this process once it has imported vLLM (engine_server_fork.py).
+    before = EngineServerFork.planned(settings.engine_overrides()) if settings.engine is EngineKind.INPROCESS else None
+    starting = StartingApp(lambda: build_gateway(settings), doing=lambda: f"{progress.current} ({progress.elapsed():.0f} s)",
+                           before=before)
     # On SIGTERM uvicorn stops accepting, lets requests in flight finish (up to drain_s), then the app's lifespan
     # closes the engine and the database; every write was awaited before its response, so none is pending.
     server = uvicorn.Server(server_config(starting, settings))

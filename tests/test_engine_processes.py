@@ -240,3 +240,86 @@ def test_engine_cores_and_their_server_exit_when_the_gateway_is_killed(tmp_path)
         gateway.kill()
         for p in filter(alive, started):
             p.kill()
+
+
+def report_forked(queue) -> None:
+    """An engine core forked from a server forked from its gateway: what it sees of that server and of itself."""
+    import gc
+    import signal
+
+    server = os.getppid()
+    links = []
+    for fd in os.listdir(f"/proc/{server}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{server}/fd/{fd}"))
+        except OSError:
+            continue
+    with open(f"/proc/{server}/stat") as stat:
+        server_parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+    with open(f"/proc/{server}/comm") as comm:
+        name = comm.read().strip()
+    queue.put({"server": server, "server_parent": server_parent, "server_name": name, "server_links": links,
+               "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "frozen": gc.get_freeze_count()})
+
+
+def test_a_gateway_forks_its_engine_server_after_loading_torch_with_the_engines_wait_policy():
+    """`calm serve` with CPU engines (adapters/hosting/engine_server_fork.py): torch loaded in the start-up thread with the
+    wait policy its engines need, the server forked on the event loop's thread, an engine core forked from that server.
+    The OpenMP runtime is initialised once, in the gateway, and passive (no core spins at a barrier); the policy is
+    not left in the gateway's environment; the server is the gateway's child, named calm-engines, holding none of the
+    gateway's descriptors (its listening socket) and none of its signal handlers; the core's heap is frozen."""
+    import json
+
+    from adapters.hosting.cpu_limits import usable_cpus
+
+    script = textwrap.dedent("""
+        import asyncio, json, os, signal, socket, sys
+        from adapters.hosting import engine_processes
+        from adapters.hosting.engine_server_fork import EngineServerFork
+        from adapters.hosting.engine_settings import EngineOverrides
+        from tests.test_engine_processes import report_forked
+
+        # The server's modules cut to torch (the rest of vLLM's change nothing here).
+        engine_processes.PRELOAD[:] = [engine_processes.PRELOAD[0], "torch", engine_processes.PRELOAD[-1]]
+
+        async def gateway():
+            listening = socket.create_server(("127.0.0.1", 0))  # the gateway's, open as it starts
+            signal.signal(signal.SIGTERM, lambda *_: None)  # its server's handler (uvicorn sets one)
+            plan = EngineServerFork.planned(EngineOverrides(device="cpu"))
+            await asyncio.to_thread(plan.prepare)
+            print("prepared", file=sys.stderr, flush=True)
+            left = os.environ.get("OMP_WAIT_POLICY")
+            server = plan.on_loop()
+            context = engine_processes.EngineCoreContext()
+            queue = context.Queue()
+            core = context.Process(target=report_forked, args=(queue,))
+            core.start()
+            seen = queue.get(timeout=120)
+            core.join(120)
+            os.kill(server, signal.SIGTERM)  # the default handler: the server ends
+            _, status = os.waitpid(server, 0)
+            print(json.dumps({"gateway": os.getpid(), "forked": server, "policy": plan.wait_policy, "left": left,
+                              "socket": f"socket:[{os.fstat(listening.fileno()).st_ino}]", "core_exit": core.exitcode,
+                              "server_ended_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, **seen}))
+
+        if __name__ == "__main__":
+            asyncio.run(gateway())
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**env, "PYTHONPATH": str(REPO), "OMP_DISPLAY_ENV": "VERBOSE"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    passive = usable_cpus() > 1
+    assert seen["policy"] == ("PASSIVE" if passive else None) and seen["left"] is None
+    # Each OpenMP runtime's settings, printed as it loads: torch's, sklearn's and sentencepiece's (vLLM imports both), in
+    # the gateway's start-up thread, passive; none after (the server and the core have the gateway's runtimes).
+    loaded, after = out.stderr.split("prepared\n")
+    spin = [line.split("=")[1].strip(" '") for line in loaded.splitlines() if "GOMP_SPINCOUNT =" in line]
+    assert len(spin) >= 1 and set(spin) == ({"0"} if passive else {"300000"}), spin
+    assert "OPENMP DISPLAY ENVIRONMENT BEGIN" not in after, after[-3000:]
+    assert seen["server"] == seen["forked"] and seen["server_parent"] == seen["gateway"]
+    assert seen["server_name"] == "calm-engines" and seen["core_exit"] == 0
+    assert seen["socket"] not in seen["server_links"], seen["server_links"]
+    assert seen["server_ended_by"] == 15 and seen["sigterm_default"]
+    assert seen["frozen"] > 10000

@@ -8,8 +8,10 @@ import re
 
 import pytest
 
-from adapters.hosting.cpu_limits import omp_threads_set
-from adapters.hosting.engine_settings import EngineOverrides, engine_wait_policy, resolve
+from adapters.hosting.cpu_limits import omp_threads_set, usable_cpus
+from adapters.hosting.engine_settings import (
+    EngineCountDecides, EngineOverrides, engine_wait_policy, resolve, wait_policy_before_counting,
+)
 
 
 def test_cpu_defaults_are_todays_engine():
@@ -130,6 +132,37 @@ def test_teams_sharing_the_cores_step_by_step_wait_passively_unless_there_is_one
     assert engine_wait_policy(None, engines=1, cpus=16, environ={}) == "PASSIVE"
     assert engine_wait_policy(None, engines=3, cpus=1, environ={}) is None
     assert engine_wait_policy(None, engines=3, cpus=2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) is None
+
+
+def test_the_wait_policy_is_known_before_the_engines_are_counted_unless_fixed_teams_of_two_or_more_fit_the_cores():
+    """What a gateway forking its engine server before it starts engines (engine_server_fork.py) loads torch with: the
+    policy `engine_wait_policy` gives for any count of engines, none where vLLM's "mp" executor sizes the teams."""
+    assert wait_policy_before_counting(None, "uni", cpus=2, environ={}) == "PASSIVE"  # the default: shared teams
+    assert wait_policy_before_counting(None, "uni", cpus=1, environ={}) is None
+    assert wait_policy_before_counting(None, "mp", cpus=2, environ={}) is None
+    assert wait_policy_before_counting(1, "uni", cpus=2, environ={}) is None  # the tests' OMP_NUM_THREADS=1
+    assert wait_policy_before_counting(4, "uni", cpus=2, environ={}) == "PASSIVE"  # wider than the machine alone
+    assert wait_policy_before_counting(2, "uni", cpus=2, environ={"OMP_WAIT_POLICY": "ACTIVE"}) is None
+    with pytest.raises(EngineCountDecides):
+        wait_policy_before_counting(2, "uni", cpus=2, environ={})  # one engine: none; three: PASSIVE
+
+
+def test_a_gateway_forks_its_engine_server_only_where_its_cpu_engines_fork_and_torch_is_not_loaded(monkeypatch):
+    import sys
+
+    from adapters.hosting.engine_server_fork import EngineServerFork
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # as in `calm serve` before its start-up thread
+    cpus = usable_cpus()
+    plan = EngineServerFork.planned(EngineOverrides(), environ={})
+    assert plan is not None and plan.wait_policy == ("PASSIVE" if cpus > 1 else None)
+    assert EngineServerFork.planned(EngineOverrides(threads=1), environ={}).wait_policy is None
+    assert EngineServerFork.planned(EngineOverrides(device="cuda"), environ={}) is None
+    assert EngineServerFork.planned(EngineOverrides(engine_start="spawn"), environ={}) is None
+    # Fixed teams of 2 that fit the cores: 1 engine none, more PASSIVE; the spawned server reads the count's
+    assert (EngineServerFork.planned(EngineOverrides(threads=2), environ={}) is None) == (cpus >= 2)
+    monkeypatch.setitem(sys.modules, "torch", object())  # its OpenMP runtime has read the environment already
+    assert EngineServerFork.planned(EngineOverrides(), environ={}) is None
 
 
 def test_the_thread_count_comes_from_calm_engine_threads_else_omp_num_threads(monkeypatch):

@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from adapters.hosting.engine_processes import SERVER_NAME
 from tests.servers import alive, calm_argv, free_port, running, wait_until
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
                 # The gateway alone, as the OOM killer would: its engine core and the server it was forked from
                 # are not its children and must not outlive it (adapters/hosting/engine_processes.py).
                 started = psutil.Process(proc.pid).children(recursive=True)
-                servers = [p for p in started if "forkserver" in " ".join(p.cmdline())]  # read while they run
+                servers = [p for p in started if p.name() == SERVER_NAME]  # read while they run
                 os.kill(proc.pid, signal.SIGKILL)
         for t in threads:
             t.join()

@@ -67,6 +67,22 @@ def test_each_engine_core_runs_one_gloo_loop_thread(started):
     assert len(cores) == 3 and set(cores.values()) == {1}, cores
 
 
+def test_the_engine_cores_fork_from_a_server_the_gateway_forked_after_its_imports(started):
+    """No second interpreter imports torch and vLLM for the engines: their server is the gateway's own fork
+    (adapters/hosting/engine_server_fork.py), with the gateway's command line and the name calm-engines."""
+    import psutil
+
+    from adapters.hosting.engine_processes import SERVER_NAME
+
+    gateway = psutil.Process(started["pid"])
+    descendants = gateway.children(recursive=True)
+    servers = [p for p in descendants if p.name() == SERVER_NAME and p.ppid() == gateway.pid]
+    assert len(servers) == 1 and servers[0].cmdline() == gateway.cmdline(), [(p.pid, p.name()) for p in descendants]
+    assert len([p for p in descendants if p.ppid() == servers[0].pid]) == 3  # adapter, folded, free_form
+    assert not [p for p in descendants if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    assert "importing vLLM for the gateway and its engine-core server" in started["log"].read_text()
+
+
 def calibration(choice) -> dict:
     return choice.model_extra["calibration"]
 

@@ -115,3 +115,34 @@ def test_stopped_while_starting_shuts_down_without_waiting_for_the_build():
         assert gate.app is None
 
     asyncio.run(scenario())
+
+
+def test_the_steps_before_the_build_prepare_in_a_thread_then_run_on_the_event_loops_thread():
+    """Where `calm serve` forks its engines' server (adapters/hosting/engine_server_fork.py): `prepare` off the loop (the
+    server answers meanwhile), `on_loop` on the loop's thread between two of its steps, and only then the build."""
+    async def scenario():
+        events: list[tuple[str, bool]] = []
+        ready = asyncio.Event()
+        record = lambda step: events.append((step, threading.current_thread() is threading.main_thread()))  # noqa: E731
+
+        class Before:
+            def prepare(self):
+                record("prepare")
+
+            def on_loop(self):
+                record("on_loop")
+
+        def build():
+            record("build")
+            return inner_app([])
+
+        gate = StartingApp(build, before=Before())
+        gate.on_ready = ready.set
+        lifespan = Lifespan(gate)
+        assert await lifespan.event("startup") == "lifespan.startup.complete"
+        await asyncio.wait_for(ready.wait(), 30)
+        assert events == [("prepare", False), ("on_loop", True), ("build", False)]
+        assert await lifespan.event("shutdown") == "lifespan.shutdown.complete"
+
+    assert threading.current_thread() is threading.main_thread()
+    asyncio.run(scenario())

@@ -188,7 +188,9 @@ class InProcessVLLMEngine:
         the cores wait passively (`engine_wait_policy`). Each engine core takes OMP_NUM_THREADS as it starts (a
         forked one too: adapters/hosting/engine_processes.py); the OpenMP runtime reads the wait policy once, as it loads: a
         forked core has the forkserver's, which started with this process's first engine, so the first version's
-        engines decide it for the process (a spawned core reads its own)."""
+        engines decide it for the process (a spawned core reads its own); a server `calm serve` forked from itself has
+        the gateway's, loaded with the policy this sets, decided by the settings before any engine was counted
+        (adapters/hosting/engine_server_fork.py)."""
         if self.config.engine.device != "cpu":
             return None
         cpus = usable_cpus()

@@ -4,9 +4,11 @@ vLLM runs each engine core in a process of its own, and its CPU platform starts 
 that imports torch and vLLM again, ~9 s of CPU of the ~11.5 s an engine core takes to answer on the 2-core machines.
 A gateway holds 3-4 engines and starts more on every promotion. Here they come from Python's multiprocessing
 forkserver instead: one clean interpreter imports vLLM once (PRELOAD) and forks each engine core from itself, which
-then only loads its weights. Not `fork` from the gateway itself: it runs threads and has run OpenMP, after which a
-forked child can deadlock; the server has done neither. `python benchmarks/engines/bench_engine_start.py --compare start`
-measures both ways side by side.
+then only loads its weights. Not `fork` from the gateway itself once it runs: it runs threads and has run OpenMP, after
+which a forked child can deadlock; the server has done neither. `python benchmarks/engines/bench_engine_start.py
+--compare start` measures both ways side by side. The server is either spawned, a fresh interpreter importing PRELOAD
+as the first engine starts, or (`calm serve` with CPU engines: fork_engine_server, engine_server_fork.py) a fork of the
+gateway taken before either is true, right after the gateway imported PRELOAD itself.
 
 The one difference from spawn that matters: a forked child has the server's environment, fixed when the server
 started, while vLLM (and InProcessVLLMEngine) set variables for an engine core just before starting it. So each
@@ -22,13 +24,17 @@ server exits once its last child has.
 
 from __future__ import annotations
 
+import ctypes
+import inspect
 import logging
 import multiprocessing
 import os
 import select
 import signal
+import socket
 import sys
 import threading
+import traceback
 from multiprocessing.context import ForkServerProcess
 
 from adapters.hosting.cpu_limits import omp_threads_set
@@ -44,6 +50,9 @@ PRELOAD = ["adapters.hosting.engine_server_preamble", "vllm.v1.engine.core", "vl
            "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn",
            "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "adapters.vllm_plugins.alpha",
            "adapters.vllm_plugins.core_share", "adapters.vllm_plugins.lora_resolver", "adapters.hosting.engine_server_frozen"]
+SERVER_NAME = "calm-engines"  # a server forked from the gateway (fork_engine_server) has the gateway's command line
+# multiprocessing.forkserver's private protocol that fork_engine_server speaks (CPython 3.8-3.12; 3.13 adds a key)
+_FORKSERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _installed = False
 
 
@@ -126,3 +135,97 @@ def fork_engine_cores() -> bool:
     engine_utils.get_mp_context = lambda: context
     _installed = True
     return True
+
+
+def fork_engine_server() -> int | None:
+    """Start the engine-core server now as a fork of this process, which has imported PRELOAD (instead of a fresh
+    interpreter importing it when the first engine starts); the server's pid. adapters/hosting/engine_server_fork.py says
+    when a process may: no OpenMP team run yet, no other thread in Python code. None, and the first engine starts the
+    server as before, where one runs already or this Python's forkserver is not the one this speaks to."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    if list(inspect.signature(forkserver.main).parameters) != _FORKSERVER_MAIN:
+        log.warning("this Python's multiprocessing.forkserver differs: the engine-core server is spawned")
+        return None
+    fork_engine_cores()
+    server = forkserver._forkserver
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return None
+        resource_tracker.ensure_running()  # one tracker, started here: the children are sent its descriptor
+    # As ForkServer.ensure_running makes them for the interpreter it spawns (not under its lock: the child has a copy).
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # every client holds the write end: the server exits when the last has closed it
+    for stream in (sys.stdout, sys.stderr):  # else each engine core flushes the copy of what was buffered as it exits
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    pid = os.fork()
+    if pid == 0:
+        _serve(listener.fileno(), alive_r)
+    os.close(alive_r)
+    listener.close()
+    with server._lock:
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return pid
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The forked server: multiprocessing's forkserver loop, once it is what a spawned one would be. Never returns."""
+    from multiprocessing import forkserver
+
+    code = 0
+    try:
+        _name_process(SERVER_NAME)
+        _default_signal_handlers()
+        _release_descriptors(keep={0, 1, 2, listener_fd, alive_r})
+        forkserver.main(listener_fd, alive_r, PRELOAD)  # raises SystemExit once the last client has gone
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:  # noqa: BLE001 - the gateway's own handlers must not run in this process
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _name_process(name: str) -> None:
+    """The process's name as `ps`, psutil and /proc/PID/comm show it (prctl PR_SET_NAME, at most 15 bytes)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _default_signal_handlers() -> None:
+    """The handlers a fresh interpreter has: the gateway's server installed its own (SIGTERM would stop nothing here)."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def _release_descriptors(keep: set[int]) -> None:
+    """Every inherited descriptor but `keep` pointed at /dev/null: the gateway's listening socket, database and pipes
+    are released, and no number is freed for reuse under a Python object that still holds it (closing would)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in keep or fd == null:
+            continue
+        try:
+            os.fstat(fd)  # the listing's own descriptor is closed by now
+        except OSError:
+            continue
+        os.dup2(null, fd, inheritable=False)
+    os.close(null)

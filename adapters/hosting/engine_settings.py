@@ -175,6 +175,22 @@ def engine_wait_policy(threads: int | None, engines: int, cpus: int, environ: Ma
     return "PASSIVE" if threads > 1 and threads * engines > cpus else None
 
 
+class EngineCountDecides(ValueError):
+    """The wait policy depends on how many engines a version starts (fixed teams of 2 or more)."""
+
+
+def wait_policy_before_counting(threads: int | None, executor: str, cpus: int, environ: Mapping[str, str]) -> str | None:
+    """What InProcessVLLMEngine._share_cores will set OMP_WAIT_POLICY to for CPU engines, known before they are counted
+    (adapters/hosting/engine_server_fork.py loads the OpenMP runtime before): none for vLLM's "mp" executor with teams
+    left to vLLM, else `engine_wait_policy`. EngineCountDecides where the count matters."""
+    if threads is None and executor != "uni":
+        return None
+    fewest, most = (engine_wait_policy(threads, engines, cpus, environ) for engines in (1, cpus + 1))
+    if fewest != most:
+        raise EngineCountDecides(f"fixed OpenMP teams of {threads}: the policy depends on the number of engines")
+    return fewest
+
+
 # How far a bf16 engine's numbers may be from HF transformers in fp32 (absolute), measured on the embedded model with
 # vLLM's CPU bf16 kernels (tests/test_bf16_budget.py: option probabilities ≤ 0.006, raw confidence ≤ 0.014,
 # free-form confidence ≤ 0.03) with headroom. fp32 engines hold 1e-3. A deployment that needs bit-level agreement

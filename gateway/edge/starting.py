@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from typing import Protocol
 
 from calm_core.collector import collect_young_less_often
 from gateway.errors import error_body
@@ -23,12 +24,24 @@ log = logging.getLogger("calm.gateway")
 RETRY_AFTER_S = 5
 
 
+class BeforeBuild(Protocol):
+    """Steps before the app is built (adapters/hosting/engine_server_fork.py forks the engines' server there)."""
+
+    def prepare(self) -> None:
+        """Slow: run in a thread, as the build is."""
+
+    def on_loop(self) -> object:
+        """Run on the event loop's thread between two of its steps, while no other thread runs Python code."""
+
+
 class StartingApp:
     """ASGI app around `build` (which makes the real FastAPI app: slow, run in a thread) and that app's lifespan."""
 
-    def __init__(self, build: Callable[[], object], doing: Callable[[], str] = lambda: "starting"):
+    def __init__(self, build: Callable[[], object], doing: Callable[[], str] = lambda: "starting",
+                 before: BeforeBuild | None = None):
         self._build = build
         self._doing = doing
+        self._before = before
         self.app = None  # the built app, once its lifespan has started: from then on it answers everything
         self.failed: BaseException | None = None
         self.on_ready: Callable[[], None] = lambda: None
@@ -38,6 +51,9 @@ class StartingApp:
 
     async def _start(self) -> None:
         try:
+            if self._before is not None:
+                await asyncio.to_thread(self._before.prepare)
+                self._before.on_loop()
             app = await asyncio.to_thread(self._build)
             await self._lifespan.enter_async_context(app.router.lifespan_context(app))
         except asyncio.CancelledError:
