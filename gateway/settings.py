@@ -8,7 +8,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from adapters.hosting.cpu_limits import omp_threads_set
@@ -55,6 +55,9 @@ class GatewaySettings(BaseSettings):
     # OpenMP threads per in-process CPU engine, fixed; unset: OMP_NUM_THREADS if the environment sets it, else each
     # engine's share of the usable cores among the engines computing, re-sized every step (adapters/hosting/core_share.py).
     engine_threads: int | None = Field(default=None, gt=0)
+    # OMP_NUM_THREADS as the operator set it, read once: the first version's engines set it for their own start
+    # (InProcessVLLMEngine._share_cores), and a later version read then would get fixed teams instead of shared ones.
+    _omp_threads: int | None = PrivateAttr(default_factory=omp_threads_set)
     # `calm engine` on CPU: tcmalloc preloaded when installed (adapters/hosting/allocator.py), or the system's allocator
     engine_allocator: Literal["tcmalloc", "system"] = "tcmalloc"
     admin_key: str = DEV_ADMIN_KEY
@@ -173,7 +176,7 @@ class GatewaySettings(BaseSettings):
                                enable_prefix_caching=self.enable_prefix_caching, block_size=self.block_size,
                                adapter_mode=self.adapter_mode,
                                executor=self.executor, engine_start=self.engine_start,
-                               threads=self.engine_threads or omp_threads_set())
+                               threads=self.engine_threads or self._omp_threads)
 
     @model_validator(mode="after")
     def _safe(self):

@@ -165,6 +165,20 @@ def test_a_gateway_forks_its_engine_server_only_where_its_cpu_engines_fork_and_t
     assert EngineServerFork.planned(EngineOverrides(), environ={}) is None
 
 
+def test_a_later_version_keeps_shared_teams_after_the_first_set_omp_num_threads_for_its_engines(monkeypatch):
+    """The gateway's settings read OMP_NUM_THREADS once, as the operator set it: the first version's engines set it for
+    their own start (InProcessVLLMEngine._share_cores), and every later version (hot swap, a domain's version) read
+    it as a fixed team of that size (found in review, 2026-12-07)."""
+    from gateway.settings import GatewaySettings
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("CALM_ENGINE_THREADS", raising=False)
+    settings = GatewaySettings()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the first version's _share_cores leaves it
+    assert settings.engine_overrides().threads is None
+    assert GatewaySettings().engine_overrides().threads == 1  # the operator's, where it was set before the start
+
+
 def test_the_thread_count_comes_from_calm_engine_threads_else_omp_num_threads(monkeypatch):
     from gateway.settings import GatewaySettings
 
@@ -322,3 +336,39 @@ def test_a_multiple_choice_only_gateway_builds_no_copy_of_the_free_form_modes_we
     refused = config(answers="multiple_choice")
     assert (refused.free_form_model_path, refused.free_form_artifact_path, refused.free_form_answers) == (None, None, False)
     assert merged == [version] and refused.merged_model_path == f"merged {version}"
+
+
+@pytest.mark.parametrize("environ", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
+@pytest.mark.parametrize("cpus", [1, 2, 8])
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize("threads", [None, 1, 2, 4])
+def test_the_policy_known_before_counting_is_the_one_every_count_of_engines_gets(monkeypatch, threads, executor, cpus,
+                                                                                 environ):
+    """The policy a gateway loads its OpenMP runtime with before forking its engines' server (engine_server_fork.py:
+    the planned one, else the environment's) is the one InProcessVLLMEngine._share_cores leaves in the environment for
+    any number of engines (what a spawned server would load with); where it is not, wait_policy_before_counting says
+    so (EngineCountDecides)."""
+    import os
+    import types
+
+    from adapters.clients import inprocess
+
+    def reported(engines: int) -> str | None:
+        for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(inprocess, "usable_cpus", lambda: cpus)
+        engine = types.SimpleNamespace(device="cpu", threads=threads, executor=executor)
+        version = types.SimpleNamespace(config=types.SimpleNamespace(engine=engine), threads=None, share_cpus=None,
+                                        wait_policy=None)
+        inprocess.InProcessVLLMEngine._share_cores(version, engines)
+        return os.environ.get("OMP_WAIT_POLICY")  # what a spawned server's runtime would read
+
+    policies = {reported(engines) for engines in range(1, cpus + 2)}
+    try:
+        planned = wait_policy_before_counting(threads, executor, cpus, environ)
+    except EngineCountDecides:
+        assert len(policies) == 2, policies
+        return
+    assert policies == {planned if planned is not None else environ.get("OMP_WAIT_POLICY")}

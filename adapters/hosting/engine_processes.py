@@ -51,7 +51,8 @@ PRELOAD = ["adapters.hosting.engine_server_preamble", "vllm.v1.engine.core", "vl
            "vllm.model_executor.model_loader", "vllm.model_executor.models.llama", "adapters.vllm_plugins.alpha",
            "adapters.vllm_plugins.core_share", "adapters.vllm_plugins.lora_resolver", "adapters.hosting.engine_server_frozen"]
 SERVER_NAME = "calm-engines"  # a server forked from the gateway (fork_engine_server) has the gateway's command line
-# multiprocessing.forkserver's private protocol that fork_engine_server speaks (CPython 3.8-3.12; 3.13 adds a key)
+# multiprocessing.forkserver's private protocol that fork_engine_server speaks (main's signature of CPython 3.8-3.12;
+# 3.13 adds a key, and then the server is spawned)
 _FORKSERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _installed = False
 
@@ -140,35 +141,40 @@ def fork_engine_cores() -> bool:
 def fork_engine_server() -> int | None:
     """Start the engine-core server now as a fork of this process, which has imported PRELOAD (instead of a fresh
     interpreter importing it when the first engine starts); the server's pid. adapters/hosting/engine_server_fork.py says
-    when a process may: no OpenMP team run yet, no other thread in Python code. None, and the first engine starts the
-    server as before, where one runs already or this Python's forkserver is not the one this speaks to."""
+    when a process may: no OpenMP team run yet, no other thread mid-way through work the child needs. None, and the
+    first engine starts the server as before, where one runs already, this Python's forkserver or this vLLM is not the
+    one this speaks to, or the fork fails (a strict overcommit limit refuses a copy of the gateway that spawn avoids)."""
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     if list(inspect.signature(forkserver.main).parameters) != _FORKSERVER_MAIN:
         log.warning("this Python's multiprocessing.forkserver differs: the engine-core server is spawned")
         return None
-    fork_engine_cores()
+    if not fork_engine_cores():
+        return None
     server = forkserver._forkserver
     with server._lock:
         if server._forkserver_pid is not None:
             return None
         resource_tracker.ensure_running()  # one tracker, started here: the children are sent its descriptor
-    # As ForkServer.ensure_running makes them for the interpreter it spawns (not under its lock: the child has a copy).
-    listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
-    listener.bind(address)
-    if not util.is_abstract_socket_namespace(address):
-        os.chmod(address, 0o600)
-    listener.listen()
-    alive_r, alive_w = os.pipe()  # every client holds the write end: the server exits when the last has closed it
-    for stream in (sys.stdout, sys.stderr):  # else each engine core flushes the copy of what was buffered as it exits
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    pid = os.fork()
-    if pid == 0:
-        _serve(listener.fileno(), alive_r)
+    listener, pipe = None, ()
+    try:
+        # As ForkServer.ensure_running makes them for the interpreter it spawns (not under its lock: the child has a copy).
+        listener = socket.socket(socket.AF_UNIX)
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        pipe = os.pipe()  # every client holds the write end: the server exits when the last has closed it
+        pid = _fork(listener.fileno(), pipe[0])
+    except OSError as e:
+        log.warning("the engine-core server could not be forked from this process (%s): it is spawned", e)
+        if listener is not None:
+            listener.close()
+        for fd in pipe:
+            os.close(fd)
+        return None
+    alive_r, alive_w = pipe
     os.close(alive_r)
     listener.close()
     with server._lock:
@@ -176,14 +182,39 @@ def fork_engine_server() -> int | None:
     return pid
 
 
-def _serve(listener_fd: int, alive_r: int) -> None:
+# What a signal sent to the gateway's process group would do to the child between fork and its own handlers: the
+# gateway's uvicorn handler would swallow SIGTERM there. Blocked across the fork, they reach the child once it has
+# defaults.
+_HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+def _fork(listener_fd: int, alive_r: int) -> int:
+    for stream in (sys.stdout, sys.stderr):  # else each engine core flushes the copy of what was buffered as it exits
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener_fd, alive_r, held)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return pid
+
+
+def _serve(listener_fd: int, alive_r: int, mask: set) -> None:
     """The forked server: multiprocessing's forkserver loop, once it is what a spawned one would be. Never returns."""
+    import asyncio
     from multiprocessing import forkserver
 
     code = 0
     try:
         _name_process(SERVER_NAME)
         _default_signal_handlers()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        asyncio.set_event_loop(None)  # the gateway's loop, whose descriptors are released below (3.12 does this at fork)
         _release_descriptors(keep={0, 1, 2, listener_fd, alive_r})
         forkserver.main(listener_fd, alive_r, PRELOAD)  # raises SystemExit once the last client has gone
     except SystemExit as e:
@@ -216,10 +247,11 @@ def _default_signal_handlers() -> None:
 
 
 def _release_descriptors(keep: set[int]) -> None:
-    """Every inherited descriptor but `keep` pointed at /dev/null: the gateway's listening socket, database and pipes
-    are released, and no number is freed for reuse under a Python object that still holds it (closing would)."""
+    """Every inherited descriptor but `keep` pointed at /dev/null: the gateway's listening socket, pipes and whatever
+    else it had open are released, and no number is freed for reuse under a Python object that still holds it (closing
+    would)."""
     null = os.open(os.devnull, os.O_RDWR)
-    for name in os.listdir("/proc/self/fd"):
+    for name in os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"):
         fd = int(name)
         if fd in keep or fd == null:
             continue
@@ -228,4 +260,5 @@ def _release_descriptors(keep: set[int]) -> None:
         except OSError:
             continue
         os.dup2(null, fd, inheritable=False)
-    os.close(null)
+    if null > 2:  # else it stands in for a standard stream the gateway started without
+        os.close(null)

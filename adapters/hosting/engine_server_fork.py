@@ -7,8 +7,9 @@ is safe:
 
 - after its imports, which run in the start-up thread while the event loop answers /health/live, and before any torch
   computation: GNU OpenMP does not survive fork, and a child of a process that has run a team can hang in its first;
-- on the event loop's thread, between two of its steps: no other thread is in Python code (the start-up thread waits
-  for the loop), so the child copies no lock held mid-write;
+- on the event loop's thread, between two of its steps, while the start-up thread, done with `prepare`, waits for it:
+  the child copies no lock the loop or that thread held mid-write (the other threads there are OpenBLAS's idle
+  workers, which OpenBLAS shuts down across a fork itself);
 - with the wait policy the engines need already read: the OpenMP runtime reads OMP_WAIT_POLICY once, as torch loads.
   The spawned server loaded torch after the gateway had set it for its first version's engines; here it is in the
   environment while the gateway loads torch, from the settings alone, where they decide it before the engines are
@@ -16,8 +17,12 @@ is safe:
   CUDA keep the spawned server.
 
 What the forked server does first (engine_processes._serve): it names itself `calm-engines` (its command line is the
-gateway's), takes back the default signal handlers and points every inherited descriptor at /dev/null (the gateway's
-listening socket, database and pipes). Then it is multiprocessing's forkserver loop, as a spawned one is.
+gateway's; the engine cores forked from it keep the name), takes back the default signal handlers (blocked across the
+fork) and points every inherited descriptor at /dev/null (the gateway's listening socket and pipes). Then it is
+multiprocessing's forkserver loop, as a spawned one is. If the fork fails the first engine spawns the server as before.
+
+The gateway's own OpenMP runtimes load with the engines' policy too (passive where teams are shared, the default);
+its own torch work is small (a first run's merged weights).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class BeforeBuild(Protocol):
         """Slow: run in a thread, as the build is."""
 
     def on_loop(self) -> object:
-        """Run on the event loop's thread between two of its steps, while no other thread runs Python code."""
+        """Run on the event loop's thread between two of its steps, while the thread that ran `prepare` waits."""
 
 
 class StartingApp:
