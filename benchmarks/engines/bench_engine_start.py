@@ -15,7 +15,7 @@ a core it uses idle over the next 30 s (the engines' background threads), then s
 questions at concurrency 8, the tree's CPU and memory after them, the engines /health
 names, and the option probabilities (both ways must give the same numbers).
 
-    python benchmarks/engines/bench_engine_start.py [--compare executor|start|answers] [--rounds 2]
+    python benchmarks/engines/bench_engine_start.py [--compare executor|start|answers] [--rounds 2] [--omp-threads ""]
         -> benchmarks/results/engine_start.{json,md} (executor), engine_start_forkserver.{json,md} (start),
            engine_start_answers.{json,md} (answers), engine_start_revision.{json,md} (revision)
 """
@@ -59,10 +59,11 @@ def ask(base: str, q) -> list[float]:
     return [o["probability"] for o in r.json()["choices"][0]["calibration"]["options"]]
 
 
-def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO) -> dict:
+def one_run(way: str, env: dict, questions, work: Path, cwd: Path = REPO, omp_threads: str = "1") -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**env, "CALM_DB_PATH": str(work / f"{way}.sqlite3"), "OMP_NUM_THREADS": "1"}
+    # "" is unset to OpenMP and to the gateway (its engines then share the cores step by step, as under `make serve`)
+    env = {**env, "CALM_DB_PATH": str(work / f"{way}.sqlite3"), "OMP_NUM_THREADS": omp_threads}
     t0 = time.monotonic()
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", work / f"{way}.log", env,
                  timeout=600, cwd=cwd) as proc:  # `python -m calm_cli` runs the code of the folder it starts in
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--revision", help="with --compare revision: the commit to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--omp-threads", default="1", help='OMP_NUM_THREADS of the gateways; "" leaves it unset, as '
+                                                          "`make serve` does (the suite sets 1)")
     args = parser.parse_args()
     if (args.compare == "revision") != (args.revision is not None):
         parser.error("--revision goes with --compare revision, and only there")
@@ -125,7 +128,7 @@ def main() -> None:
         try:
             for round_ in range(args.rounds):
                 for way, env in ways.items():
-                    run = one_run(way, env, questions, Path(tmp), folders.get(way, REPO))
+                    run = one_run(way, env, questions, Path(tmp), folders.get(way, REPO), args.omp_threads)
                     print(f"round {round_ + 1} {way}: ready after {run['ready_s']:.1f} s "
                           f"({run['ready_cpu_s']:.1f} CPU s), "
                           f"one answer: {run['first_answer_cpu_s']:.1f} CPU s, {run['first_answer_pss_gb']:.2f} GB; "
@@ -153,9 +156,11 @@ def main() -> None:
     what = {"executor": "vLLM's CPU executors", "start": "How engine-core processes start",
             "answers": "The answers a gateway serves (CALM_ANSWERS)",
             "revision": f"The same gateway at commit {a} and in this checkout ({checkout_state()})"}[args.compare]
+    omp_note = (f"OMP_NUM_THREADS={args.omp_threads}" if args.omp_threads
+                else "no OMP_NUM_THREADS (as `make serve`: the engines share the cores step by step)")
     lines = [f"# {what} under `calm serve` (`python benchmarks/engines/bench_engine_start.py --compare {args.compare}`)", "",
              f"The shipped gateway, {args.rounds} interleaved rounds, medians; 64 ARC-Easy questions at "
-             "concurrency 8, OMP_NUM_THREADS=1. CPU: the gateway's process tree from launch (user + system); memory: "
+             f"concurrency 8, {omp_note}. CPU: the gateway's process tree from launch (user + system); memory: "
              "its PSS.", "",
              f"| {args.compare} | engines | launch to /health 200 (s) | CPU by then (s) | CPU, one answer served (s) | "
              f"PSS then (GB) | idle, then {IDLE_S} s (% of a core) | 64 questions (s) | CPU after them (s) | "
