@@ -27,7 +27,6 @@ its own torch work is small (a first run's merged weights).
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
 import sys
@@ -69,8 +68,9 @@ class EngineServerFork:
         """The server's modules imported (and vLLM's engine-core start redirected to the server) under the engines' wait
         policy, which every OpenMP runtime they load reads (torch's; sklearn and sentencepiece bring their own), as the
         spawned server's imports did; left out of the environment after (InProcessVLLMEngine sets it for its engines as
-        before). Then the heap collected and frozen once: the server's as engine_server_frozen.py leaves it (the
-        gateway freezes what follows once started)."""
+        before). PRELOAD's last module, engine_server_frozen.py, collects and freezes the heap once, here: the server
+        inherits it so (its own import of PRELOAD then finds every module loaded), and the gateway freezes what
+        follows once started."""
         stage("importing vLLM for the gateway and its engine-core server")
         if self.wait_policy is not None:
             os.environ["OMP_WAIT_POLICY"] = self.wait_policy
@@ -78,14 +78,12 @@ class EngineServerFork:
             import torch  # noqa: F401 - first, for the device: a CUDA gateway spawns its engine cores
             if not self._on_cpu():
                 return
-            for name in PRELOAD[:-1]:
-                importlib.import_module(name)
             fork_engine_cores()
+            for name in PRELOAD:
+                importlib.import_module(name)
         finally:
             if self.wait_policy is not None:
                 del os.environ["OMP_WAIT_POLICY"]
-        gc.collect()
-        gc.freeze()
 
     def on_loop(self) -> int | None:
         """The server forked, where the device is the CPU; its pid."""

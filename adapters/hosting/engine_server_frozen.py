@@ -1,4 +1,5 @@
-"""The last module the engine-core server imports (engine_processes.PRELOAD): what it imported (vLLM, torch and
+"""The last module the engine-core server imports (engine_processes.PRELOAD; `calm serve` imports it before it forks
+the server from itself: engine_server_fork.py): what it imported (vLLM, torch and
 transformers: over a million objects that live as long as any engine core) collected once and frozen, before it forks
 anything, as CPython's gc.freeze documentation advises for fork without exec. Every engine core inherits the frozen
 heap: the collections vLLM runs while it loads a model (gc.collect() twice, and once more before its own freeze) walk
