@@ -68,6 +68,32 @@ def test_every_free_form_method_trains_on_gold_answers_and_greedy_calibration_po
     assert all(len(t) <= 32 for t in targets)
 
 
+def test_calibration_answers_an_engine_served_are_trained_on_as_given_and_the_rest_generated(tmp_path,
+                                                                                              embedded_model_dir):
+    """A retraining job hands the trainer its active mode's served answers (`calibration_answers`): those are the
+    calibration targets, cut as a generated answer is (at most 32 tokens, ending at the end-of-turn token), and only
+    the questions the file lacks are generated."""
+    import json
+
+    cfg = load_config(SMOKE, method="calm_scalar", out_dir=str(tmp_path / "generated"), steps=1, eval_every=0)
+    generated = Trainer(cfg, show_progress=False).setup()
+    calib = generated.split.role("calibration")
+    eos = generated.tokenizer.eos_token_id
+    assert len(calib) >= 4
+    given = {calib[0].id: list(range(1000, 1040)), calib[1].id: [1000, 1001, eos, 1002], calib[2].id: []}
+    expected = {calib[0].id: tuple(range(1000, 1032)), calib[1].id: (1000, 1001, eos), calib[2].id: (eos,)}
+    (tmp_path / "answers.json").write_text(json.dumps(given))
+    served = Trainer(cfg.model_copy(update={"out_dir": str(tmp_path / "served"),
+                                            "calibration_answers": str(tmp_path / "answers.json")}),
+                     show_progress=False).setup()
+    for q in calib:
+        assert served.fmt.targets[q.id] == expected.get(q.id, generated.fmt.targets[q.id]), q.id
+    # ... and they are what the upper level is encoded at.
+    encoded = {q.id: tuple(int(t) for t in item.targets) for q, item in zip(served.calib_set.questions,
+                                                                             served.calib_set.items)}
+    assert {k: encoded[k] for k in expected} == expected
+
+
 def test_free_form_configs_are_checked_against_the_split(tmp_path, embedded_model_dir):
     with pytest.raises(ConfigError, match="does not apply to free-form"):
         load_config(SMOKE, method="cft")

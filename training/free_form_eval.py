@@ -58,6 +58,9 @@ class FreeFormRecord:
     semantic_confidence: float | None = None
     semantic_agreeing: int | None = None  # how many of the samples say what the answer says
     cluster_sizes: list[int] | None = None
+    # The greedy answer's token ids as the engine gave them (its end-of-turn token included when it stopped): a
+    # retraining job's free-form stage trains on the active mode's answers as served (training/retrain/free_form.py).
+    token_ids: list[int] | None = None
 
 
 class StageProgress:
@@ -93,7 +96,8 @@ async def answer_questions(engine: EngineClient, tokenizer, questions: list[Open
         greedy_done.step()
         lps = c.calibrated_logprobs
         return FreeFormRecord(q.id, serving_domain(q), c.text, is_correct(c.text, q.answers, q.question),
-                              c.confidence, float(math.exp(sum(lps))), len(lps))
+                              c.confidence, float(math.exp(sum(lps))), len(lps),
+                              token_ids=list(c.output.token_ids) if c.output is not None else None)
 
     async def sampled(i: int, q: OpenQuestion, record: FreeFormRecord) -> None:
         # Seeded by the scorer as the gateway's are (samples_seed: from the prompt), so a rerun draws the same samples.

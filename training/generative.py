@@ -4,7 +4,8 @@ serves), the answer as the tokens that follow it, ending with the end-of-turn to
     lower level g   mean over answer tokens of −log softmax(d ⊙ z_t + l)[y_t], y = the gold short answer
     upper level f   −(mean over answer positions of the entropy of softmax(d ⊙ z_t + l)), at the positions of the
                     model's own greedy answer to each unlabelled calibration prompt: generated once by the initial
-                    model (θ0, no head), at most GREEDY_TOKENS tokens, and cached on disk
+                    model (θ0, no head), at most GREEDY_TOKENS tokens, and cached on disk; or, where an engine already
+                    served the starting weights' answers (a retraining job's active mode), those answers
 
 Packing reuses training/cloze.py: a question with one "option", its answer. Labels and option counts are all 0 and 1,
 so the trainer's batching and caching do not change.
@@ -47,11 +48,33 @@ def gold_target(tokenizer, q: OpenQuestion) -> tuple[int, ...]:
     return encode_text(tokenizer, q.answer.strip()) + (int(tokenizer.eos_token_id),)
 
 
+def greedy_answer(ids: list[int], eos: int, max_new_tokens: int = GREEDY_TOKENS) -> tuple[int, ...]:
+    """A greedy answer's tokens as a calibration target: at most `max_new_tokens`, ending at the end-of-turn token
+    when the answer stopped there (an empty answer is that token alone)."""
+    ids = [int(t) for t in ids[:max_new_tokens]]
+    if eos in ids:
+        ids = ids[: ids.index(eos) + 1]
+    return tuple(ids) or (eos,)
+
+
+def served_answers(path: str | None, tokenizer, questions: list[OpenQuestion],
+                   max_new_tokens: int = GREEDY_TOKENS) -> dict[str, tuple[int, ...]]:
+    """The calibration targets of the questions whose greedy answers an engine served (TrainConfig's
+    `calibration_answers`), cut as a generated one is: the same answer, without asking the model for it again."""
+    if path is None:
+        return {}
+    given = json.loads(Path(path).read_text())
+    eos = int(tokenizer.eos_token_id)
+    return {q.id: greedy_answer(given[q.id], eos, max_new_tokens) for q in questions if given.get(q.id) is not None}
+
+
 @torch.inference_mode()
 def greedy_targets(model, tokenizer, questions: list[OpenQuestion], cache_dir: Path, weights_id: str,
                    batch_size: int = 32, max_new_tokens: int = GREEDY_TOKENS) -> dict[str, tuple[int, ...]]:
     """The model's own greedy answer tokens to each prompt (with its end-of-turn token when it stopped), cached per
     weights and prompts. The model is the initial one: LoRA's B matrices start at zero, so this is θ0."""
+    if not questions:
+        return {}
     prompts = [free_form_prompt(tokenizer, q.question) for q in questions]
     key = hashlib.sha256(json.dumps([weights_id, max_new_tokens, prompts]).encode()).hexdigest()[:24]
     path = cache_dir / f"greedy-{key}.json"
@@ -70,10 +93,7 @@ def greedy_targets(model, tokenizer, questions: list[OpenQuestion], cache_dir: P
             enc = tokenizer([prompts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False)
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             for row, i in enumerate(idx):
-                ids = [int(t) for t in gen[row, enc["input_ids"].shape[1] :]]
-                if eos in ids:
-                    ids = ids[: ids.index(eos) + 1]
-                out[questions[i].id] = tuple(ids) or (eos,)
+                out[questions[i].id] = greedy_answer(gen[row, enc["input_ids"].shape[1] :].tolist(), eos, max_new_tokens)
             bar.advance(task, len(idx))
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -1,13 +1,14 @@
 """A retraining job's free-form stage: generative CALM on the domain's captured free-form prompts.
 
 The upper level needs nothing but prompts (the entropy is taken at the model's own greedy answers), so captured
-chat traffic without options is a calibration set as it stands. The stage trains a new free-form mode, warm-started
-from the one serving the domain (its adapter and head), with the loop's free-form training config; then scores the
-candidate mode and the serving one as the gateway serves them (vLLM, the engine factory the caller passes) on the
-domain's labelled free-form questions: the loop config's open-ended test sets (or the training split's) for accuracy,
-and the questions uploaded through /admin/labels (alias answers) for ECE, when the domain has enough of them. The
-candidate's token confidences on the domain's captured prompts (read again when it is judged) become the domain's
-reference histogram.
+chat traffic without options is a calibration set as it stands. The stage scores the mode serving the domain as the
+gateway serves it (vLLM, the engine factory the caller passes) on the captured prompts and the domain's labelled
+free-form questions: the loop config's open-ended test sets (or the training split's) for accuracy, and the questions
+uploaded through /admin/labels (alias answers) for ECE, when the domain has enough of them. Its greedy answers to the
+captured prompts are the answers training takes the entropy at: the new mode is warm-started from that one (its
+adapter and head), so they are the starting weights' own, and the trainer does not generate them again. Then it
+trains with the loop's free-form training config and scores the candidate the same way. The candidate's token
+confidences on the domain's captured prompts (read again when it is judged) become the domain's reference histogram.
 
 The parent's semantic-confidence map is kept: it maps the agreement of answers sampled *without* the head, and the
 stage moves the weights by a tiny θ step at most (the training config's lr_theta), so the samples it was fitted on are
@@ -16,6 +17,7 @@ the new mode's too. A labelled token temperature is not kept: it was fitted to t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +26,7 @@ import numpy as np
 
 from calm_core.artifact import FREE_FORM_DIR, load_artifact, update_manifest
 from calm_core.capture import CapturedPrompt
-from calm_core.data import load_open_file
+from calm_core.data import OpenQuestion, load_open_file
 from calm_core.engine import EngineFactory
 from calm_core.errors import CalmError
 from calm_core.label_free import ChoiceMovement, confidence_correlation
@@ -69,6 +71,25 @@ def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord
                                                        [r.token_confidence for r in candidate]))
 
 
+def active_records(engines: EngineFactory, model_path: str, mode: Path, sets: dict[str, list[OpenQuestion]],
+                   path: Path) -> dict[str, list[FreeFormRecord]]:
+    """The active mode's records of each set, kept in the job's folder (a resumed job does not judge it again)."""
+    if path.is_file():
+        return {name: [FreeFormRecord(**r) for r in recs] for name, recs in json.loads(path.read_text()).items()}
+    records = evaluate_sets(engines, model_path, mode, sets, 0)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({name: [asdict(r) for r in recs] for name, recs in records.items()}))
+    tmp.rename(path)
+    return records
+
+
+def write_answers(path: Path, records: list[FreeFormRecord]) -> tuple[Path, int]:
+    """Question id -> the greedy answer's token ids as served (TrainConfig's `calibration_answers`), and how many."""
+    answers = {r.id: r.token_ids for r in records if r.token_ids is not None}
+    path.write_text(json.dumps(answers))
+    return path, len(answers)
+
+
 def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], domain: str, work: Path) -> Path:
     """The newest captured free-form prompts, written once (a resumed job keeps the prompts it started with)."""
     path = work / "calibration.jsonl"
@@ -97,21 +118,27 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
     start = str(parent_mode) if parent_mode is not None and settings.warm_start else None
     train_cfg = train_cfg.model_copy(update={"split": str(split_path), "init_from": start})
     captured = load_open_file(calib)
-    note(f"free form: {len(captured)} captured prompts as the calibration set, from "
-         f"{parent_mode.parent.name if parent_mode else 'the base model'}", "training")
-    exported = train(train_cfg)
-    if parent_mode is not None:
-        update_manifest(exported, semantic=load_artifact(parent_mode).manifest.semantic)
-    note("free form: trained; judging the candidate mode", "judging")
-
     model_path = str(resolve_model(train_cfg.model).path)
     tests = materialize(load_split(split_path)).role("test_in_domain")
     labels = labelled_open_questions(prompts, domain)
     judged = labels if len(labels) >= settings.min_feedback_labels and parent_mode is not None else []
+    note(f"free form: {len(captured)} captured prompts as the calibration set, from "
+         f"{parent_mode.parent.name if parent_mode else 'the base model'}", "training")
+    # The active mode is judged first: its greedy answers to the calibration prompts are the upper level's answers
+    # when training starts from its weights, so the trainer does not generate them again.
+    active = (active_records(engines, model_path, parent_mode, {"tests": tests, "labels": judged, "captured": captured},
+                             work / "active-records.json") if parent_mode is not None else None)
+    served = 0
+    if active is not None and start is not None:
+        answers, served = write_answers(work / "calibration-answers.json", active["captured"])
+        train_cfg = train_cfg.model_copy(update={"calibration_answers": str(answers)})
+    exported = train(train_cfg)
+    if parent_mode is not None:
+        update_manifest(exported, semantic=load_artifact(parent_mode).manifest.semantic)
+    note("free form: trained; judging the candidate mode", "judging")
     reference = captured_open_questions(latest() if latest else prompts, domain)[-settings.max_prompts:]
-    cand = evaluate_sets(engines, model_path, exported, {"tests": tests, "labels": judged, "captured": reference}, 0)
-    active = (evaluate_sets(engines, model_path, parent_mode, {"tests": tests, "labels": judged, "captured": reference}, 0)
-              if parent_mode is not None else None)
+    cand = evaluate_sets(engines, model_path, exported,
+                         {"tests": tests, "labels": judged, "captured": captured, "reference": reference}, 0)
     in_domain = {"candidate": metrics_of(cand["tests"]), "active": metrics_of(active["tests"]) if active else None}
     inputs = {"candidate_accuracy": in_domain["candidate"]["accuracy"],
               "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels),
@@ -126,8 +153,9 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
                       active_feedback_ece=on_labels["active"]["ece_10"],
                       candidate_feedback_auroc=on_labels["candidate"]["auroc"],
                       active_feedback_auroc=on_labels["active"]["auroc"])
+    # served_answers: the calibration answers training took from the active mode's judging instead of generating them.
     result = {"parent_mode": parent_mode.parent.name if parent_mode else None, "captured_prompts": len(captured),
-              "reference_prompts": len(reference), "in_domain": in_domain, "labels": on_labels, "captured": movement,
-              "inputs": inputs}
-    confidences = np.array([r.token_confidence for r in cand["captured"]])
+              "reference_prompts": len(reference), "served_answers": served, "in_domain": in_domain,
+              "labels": on_labels, "captured": movement, "inputs": inputs}
+    confidences = np.array([r.token_confidence for r in cand["reference"]])
     return FreeFormCandidate(exported, result, confidences)
