@@ -69,11 +69,14 @@ def test_every_free_form_method_trains_on_gold_answers_and_greedy_calibration_po
 
 
 def test_calibration_answers_an_engine_served_are_trained_on_as_given_and_the_rest_generated(tmp_path,
-                                                                                              embedded_model_dir):
+                                                                                              embedded_model_dir,
+                                                                                              monkeypatch):
     """A retraining job hands the trainer its active mode's served answers (`calibration_answers`): those are the
     calibration targets, cut as a generated answer is (at most 32 tokens, ending at the end-of-turn token), and only
     the questions the file lacks are generated."""
     import json
+
+    from training.generative import calibration_targets
 
     cfg = load_config(SMOKE, method="calm_scalar", out_dir=str(tmp_path / "generated"), steps=1, eval_every=0)
     generated = Trainer(cfg, show_progress=False).setup()
@@ -83,9 +86,20 @@ def test_calibration_answers_an_engine_served_are_trained_on_as_given_and_the_re
     given = {calib[0].id: list(range(1000, 1040)), calib[1].id: [1000, 1001, eos, 1002], calib[2].id: []}
     expected = {calib[0].id: tuple(range(1000, 1032)), calib[1].id: (1000, 1001, eos), calib[2].id: (eos,)}
     (tmp_path / "answers.json").write_text(json.dumps(given))
-    served = Trainer(cfg.model_copy(update={"out_dir": str(tmp_path / "served"),
-                                            "calibration_answers": str(tmp_path / "answers.json")}),
-                     show_progress=False).setup()
+    import training.generative as generative
+
+    asked, generate = [], generative.greedy_targets
+
+    def recorded(model, tokenizer, questions, *args, **kwargs):
+        asked.extend(q.id for q in questions)
+        return generate(model, tokenizer, questions, *args, **kwargs)
+
+    monkeypatch.setattr(generative, "greedy_targets", recorded)
+    cfg_served = cfg.model_copy(update={"out_dir": str(tmp_path / "served"),
+                                        "calibration_answers": str(tmp_path / "answers.json")})
+    served = Trainer(cfg_served, show_progress=False).setup()
+    assert sorted(asked) == sorted(q.id for q in calib[3:])  # only the questions the file lacks were generated
+    assert calibration_targets(cfg_served) == {"served": 3, "generated": len(calib) - 3}
     for q in calib:
         assert served.fmt.targets[q.id] == expected.get(q.id, generated.fmt.targets[q.id]), q.id
     # ... and they are what the upper level is encoded at.

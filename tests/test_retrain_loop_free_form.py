@@ -140,8 +140,12 @@ def test_free_form_drift_retrains_the_free_form_mode_on_captured_prompts_gated_o
     # Trained on the whole traffic (the job waited for it) and judged against it as its reference.
     distinct = len({q.question for q in free_form_loop["traffic"]})
     assert result["modes"] == ["free_form"] and result["captured_prompts"] == result["reference_prompts"] == distinct
-    # Training took the upper level's answers from the active mode's judging (the weights it starts from), as served.
-    assert result["served_answers"] == distinct
+    # Training took the upper level's answers as the active mode served them when it was judged (the weights training
+    # starts from) and generated none (the trainer counts where its calibration answers came from). Fewer than the
+    # captured prompts where the split's leakage guard drops one that is also among its 8 out-of-domain test
+    # questions (PopQA's test file: one here).
+    targets = result["calibration_targets"]
+    assert targets["generated"] == 0 and distinct - 8 <= targets["served"] <= distinct, targets
     assert result["inputs"]["feedback_labels"] == N_LABELS  # judged on the uploaded labels
     candidate = done["candidate"]
     wait_until("the gateway to serve the candidate", lambda: http.get(f"{gateway}/health", headers=ADMIN).json()[

@@ -30,9 +30,9 @@ class TrainConfig(BaseModel):
     # Start θ (the LoRA adapter) and α (the head) from this artifact instead of zero and identity: the retraining
     # worker continues from the version serving the domain. Its adapter must have this config's LoRA shape.
     init_from: str | None = None
-    # Free form: a JSON file of calibration question id -> the token ids of the starting weights' greedy answer as an
-    # engine served it (a retraining job passes its active mode's, judged before training anyway: the weights it
-    # starts from). Those answers are not generated again; a question the file lacks is.
+    # Free form: a JSON file of calibration question id -> the token ids of the greedy answer an engine served on the
+    # weights this run starts from (a retraining job passes its active mode's, judged before training anyway). Those
+    # are the upper level's answers; a question the file lacks gets the base model's, generated as without the file.
     calibration_answers: str | None = None
 
     # LoRA on the top decoder layers only (their input is cached once per prompt).

@@ -218,8 +218,8 @@ def write_free_form_report(out: Path, per_set: dict[str, list[FreeFormRecord]], 
     for label, recs in per_set.items():
         results[label] = free_form_metrics(recs)
         panels[label] = (np.array([r.token_confidence for r in recs]), np.array([r.correct for r in recs], dtype=float))
-        (out / f"answers_{label.replace(':', '_').replace('@', '_')}.jsonl").write_text(
-            "".join(json.dumps(asdict(r)) + "\n" for r in recs))
+        (out / f"answers_{label.replace(':', '_').replace('@', '_')}.jsonl").write_text(  # no token ids: text is read
+            "".join(json.dumps({k: v for k, v in asdict(r).items() if k != "token_ids"}) + "\n" for r in recs))
     summary = {**summary, "results": results}
     reliability_diagram(panels, out / "reliability.png", title=model + (f" + {version}" if version else ""))
     (out / "report.json").write_text(json.dumps(summary, indent=2))

@@ -38,7 +38,7 @@ from training.answer_formats import answer_format
 from training.artifacts import domain_groups, model_refs, reference_histogram
 from training.config import TrainConfig
 from training.features import Batch, BatchStream, EncodedSet, concat, encode_sets
-from training.generative import answer_nll, gold_target, greedy_targets, served_answers
+from training.generative import answer_nll, calibration_answers, gold_target
 from training.method_specs import SPECS
 from training.methods import STEPS
 from training.objectives import mask_options
@@ -139,12 +139,11 @@ class Trainer:
         prompt (its labels are never read)."""
         targets = {q.id: gold_target(self.tokenizer, q) for role in ("train", "test_in_domain", "test_out_of_domain")
                    for q in self.split.role(role)}
-        calibration = self.split.role("calibration")
-        served = served_answers(self.cfg.calibration_answers, self.tokenizer, calibration)
         with self.model.disable_adapter():
-            targets.update(greedy_targets(self.model, self.tokenizer, [q for q in calibration if q.id not in served],
-                                          calm_home() / "cache", self.weights_id))
-        return {**targets, **served}
+            targets.update(calibration_answers(self.model, self.tokenizer, self.split.role("calibration"),
+                                               self.cfg.calibration_answers, calm_home() / "cache", self.weights_id,
+                                               self.out if self.accelerator.is_main_process else None))
+        return targets
 
     def _lora_model(self, model):
         from peft import LoraConfig, get_peft_model

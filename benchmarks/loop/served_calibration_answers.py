@@ -6,7 +6,8 @@ training/generative.py's `greedy_targets`)? Run on a job folder the free-form lo
     python benchmarks/loop/served_calibration_answers.py /tmp/ff/loop-free-form0/jobs/*/free_form
 
 Prints how many of the calibration prompts get the same target tokens both ways (the first that differ shown), and
-the seconds `generate` took (the time the job no longer spends).
+the CPU and wall seconds `generate` took in this process (what the job no longer spends; run it with the suite's
+OMP_NUM_THREADS=1 to compare with the worker there).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ def main() -> None:
     model_path = resolve_model(None).path
     tokenizer = load_tokenizer(model_path)
     model = load_causal_lm(model_path, "float32")
-    start = time.monotonic()
+    wall, cpu = time.monotonic(), time.process_time()
     with tempfile.TemporaryDirectory() as cache:  # generated afresh, not read from an earlier run's cache
         generated = greedy_targets(model, tokenizer, questions, Path(cache), "fresh")
-    seconds = time.monotonic() - start
+    wall, cpu = time.monotonic() - wall, time.process_time() - cpu
     eos = int(tokenizer.eos_token_id)
     differ = [q for q in questions if greedy_answer(served[q.id], eos) != generated[q.id]]
     print(f"{len(questions) - len(differ)} of {len(questions)} calibration prompts: the same target tokens served "
-          f"(vLLM, the active mode) and generated (transformers, the base model); generate took {seconds:.1f} s")
+          f"(vLLM, the active mode) and generated (transformers, the base model); generate took {cpu:.1f} CPU s, "
+          f"{wall:.1f} s")
     for q in differ[:5]:
         print(f"  {q.question!r}: served {tokenizer.decode(greedy_answer(served[q.id], eos))!r}, "
               f"generated {tokenizer.decode(generated[q.id])!r}")

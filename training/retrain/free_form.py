@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from calm_core.atomic import atomic_write_text
 from calm_core.artifact import FREE_FORM_DIR, load_artifact, update_manifest
 from calm_core.capture import CapturedPrompt
 from calm_core.data import OpenQuestion, load_open_file
@@ -33,6 +34,7 @@ from calm_core.label_free import ChoiceMovement, confidence_correlation
 from calm_core.models import resolve_model
 from calm_core.splits import SourceSpec, load_split, materialize
 from training.config import TrainConfig, load_config
+from training.generative import calibration_targets
 from training.free_form_eval import FreeFormRecord, evaluate_sets, free_form_metrics
 from training.retrain.data import captured_open_questions, job_split, labelled_open_questions, write_questions
 
@@ -64,30 +66,35 @@ def metrics_of(records: list[FreeFormRecord]) -> dict:
 
 
 def answer_movement(active: list[FreeFormRecord], candidate: list[FreeFormRecord]) -> ChoiceMovement:
-    """Label-free, on the captured prompts: the share whose greedy answer stays the active mode's, and the rank
-    correlation of the two modes' token confidences."""
-    same = float(np.mean([a.text.strip() == c.text.strip() for a, c in zip(active, candidate)])) if active else 1.0
-    return ChoiceMovement(same, confidence_correlation([r.token_confidence for r in active],
-                                                       [r.token_confidence for r in candidate]))
+    """Label-free, on the captured prompts both were judged on (paired by question): the share whose greedy answer
+    stays the active mode's, and the rank correlation of the two modes' token confidences."""
+    theirs = {r.id: r for r in candidate}
+    pairs = [(a, theirs[a.id]) for a in active if a.id in theirs]
+    same = float(np.mean([a.text.strip() == c.text.strip() for a, c in pairs])) if pairs else 1.0
+    return ChoiceMovement(same, confidence_correlation([a.token_confidence for a, _ in pairs],
+                                                       [c.token_confidence for _, c in pairs]))
 
 
 def active_records(engines: EngineFactory, model_path: str, mode: Path, sets: dict[str, list[OpenQuestion]],
                    path: Path) -> dict[str, list[FreeFormRecord]]:
-    """The active mode's records of each set, kept in the job's folder (a resumed job does not judge it again)."""
+    """The active mode's records of each set, kept in the job's folder: a resumed job judges it again only where the
+    mode or a set changed since (labels uploaded meanwhile, another version serving the domain)."""
+    judged = {"mode": str(mode), "sets": {name: [[q.id, q.question, list(q.answers)] for q in qs]
+                                          for name, qs in sets.items()}}
     if path.is_file():
-        return {name: [FreeFormRecord(**r) for r in recs] for name, recs in json.loads(path.read_text()).items()}
+        kept = json.loads(path.read_text())
+        if kept.get("judged") == judged:
+            return {name: [FreeFormRecord(**r) for r in recs] for name, recs in kept["records"].items()}
     records = evaluate_sets(engines, model_path, mode, sets, 0)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({name: [asdict(r) for r in recs] for name, recs in records.items()}))
-    tmp.rename(path)
+    atomic_write_text(path, json.dumps({"judged": judged,
+                                        "records": {name: [asdict(r) for r in recs] for name, recs in records.items()}}))
     return records
 
 
-def write_answers(path: Path, records: list[FreeFormRecord]) -> tuple[Path, int]:
-    """Question id -> the greedy answer's token ids as served (TrainConfig's `calibration_answers`), and how many."""
-    answers = {r.id: r.token_ids for r in records if r.token_ids is not None}
-    path.write_text(json.dumps(answers))
-    return path, len(answers)
+def write_answers(path: Path, records: list[FreeFormRecord]) -> Path:
+    """Question id -> the greedy answer's token ids as served (TrainConfig's `calibration_answers`)."""
+    atomic_write_text(path, json.dumps({r.id: r.token_ids for r in records if r.token_ids is not None}))
+    return path
 
 
 def calibration_file(settings: FreeFormSettings, prompts: list[CapturedPrompt], domain: str, work: Path) -> Path:
@@ -122,23 +129,24 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
     tests = materialize(load_split(split_path)).role("test_in_domain")
     labels = labelled_open_questions(prompts, domain)
     judged = labels if len(labels) >= settings.min_feedback_labels and parent_mode is not None else []
-    note(f"free form: {len(captured)} captured prompts as the calibration set, from "
-         f"{parent_mode.parent.name if parent_mode else 'the base model'}", "training")
+    judged_sets = {"tests": tests, "labels": judged, "captured": captured}
     # The active mode is judged first: its greedy answers to the calibration prompts are the upper level's answers
     # when training starts from its weights, so the trainer does not generate them again.
-    active = (active_records(engines, model_path, parent_mode, {"tests": tests, "labels": judged, "captured": captured},
-                             work / "active-records.json") if parent_mode is not None else None)
-    served = 0
+    active = None
+    if parent_mode is not None:
+        note(f"free form: scoring the serving mode {parent_mode.parent.name} before training", None)  # preparing
+        active = active_records(engines, model_path, parent_mode, judged_sets, work / "active-records.json")
     if active is not None and start is not None:
-        answers, served = write_answers(work / "calibration-answers.json", active["captured"])
+        answers = write_answers(work / "calibration-answers.json", active["captured"])
         train_cfg = train_cfg.model_copy(update={"calibration_answers": str(answers)})
+    note(f"free form: {len(captured)} captured prompts as the calibration set, from "
+         f"{parent_mode.parent.name if parent_mode else 'the base model'}", "training")
     exported = train(train_cfg)
     if parent_mode is not None:
         update_manifest(exported, semantic=load_artifact(parent_mode).manifest.semantic)
     note("free form: trained; judging the candidate mode", "judging")
     reference = captured_open_questions(latest() if latest else prompts, domain)[-settings.max_prompts:]
-    cand = evaluate_sets(engines, model_path, exported,
-                         {"tests": tests, "labels": judged, "captured": captured, "reference": reference}, 0)
+    cand = evaluate_sets(engines, model_path, exported, {**judged_sets, "reference": reference}, 0)
     in_domain = {"candidate": metrics_of(cand["tests"]), "active": metrics_of(active["tests"]) if active else None}
     inputs = {"candidate_accuracy": in_domain["candidate"]["accuracy"],
               "active_accuracy": in_domain["active"]["accuracy"] if active else 0.0, "feedback_labels": len(labels),
@@ -153,9 +161,10 @@ def retrain_free_form(settings: FreeFormSettings, job_dir: Path, domain: str, pa
                       active_feedback_ece=on_labels["active"]["ece_10"],
                       candidate_feedback_auroc=on_labels["candidate"]["auroc"],
                       active_feedback_auroc=on_labels["active"]["auroc"])
-    # served_answers: the calibration answers training took from the active mode's judging instead of generating them.
+    # calibration_targets: how many of the upper level's answers training took as served (from the active mode's
+    # judging) and how many it generated.
     result = {"parent_mode": parent_mode.parent.name if parent_mode else None, "captured_prompts": len(captured),
-              "reference_prompts": len(reference), "served_answers": served, "in_domain": in_domain,
-              "labels": on_labels, "captured": movement, "inputs": inputs}
+              "reference_prompts": len(reference), "calibration_targets": calibration_targets(train_cfg),
+              "in_domain": in_domain, "labels": on_labels, "captured": movement, "inputs": inputs}
     confidences = np.array([r.token_confidence for r in cand["reference"]])
     return FreeFormCandidate(exported, result, confidences)
