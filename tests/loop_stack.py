@@ -27,8 +27,9 @@ ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 
 
 @contextmanager
-def loop_stack(tmp: Path, gw_port: int, loop_config: Path, env: dict) -> Iterator[dict]:
-    """Gateway (on `gw_port`, with `env`), Alertmanager, Prometheus and a worker running `loop_config`."""
+def loop_stack(tmp: Path, gw_port: int, loop_config: Path, env: dict, worker_env: dict | None = None) -> Iterator[dict]:
+    """Gateway (on `gw_port`, with `env`), Alertmanager, Prometheus and a worker running `loop_config` (with `env` and
+    `worker_env`)."""
     for tool in ("prometheus", "prometheus-alertmanager"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} not installed: scripts/test.sh installs Debian's prometheus and prometheus-alertmanager")
@@ -69,7 +70,7 @@ alerting:
     with running(calm_argv("serve", "--port", str(gw_port)), f"{gateway}/health", tmp / "gw.log", env), \
          running(am_argv, f"http://127.0.0.1:{am_port}/-/ready", tmp / "am.log", timeout=60), \
          running(prom_argv, f"http://127.0.0.1:{prom_port}/-/ready", tmp / "prom.log", timeout=60), \
-         background(worker_argv, tmp / "worker.log", env) as worker:
+         background(worker_argv, tmp / "worker.log", {**env, **(worker_env or {})}) as worker:
         yield {"gateway": gateway, "prometheus": f"http://127.0.0.1:{prom_port}", "tmp": tmp, "env": env,
                "worker": worker}
 

@@ -84,7 +84,11 @@ open_ended = true
 """)
     # As in test_retrain_loop.py: a 100-answer drift window, registry polled every second.
     env = {"CALM_DB_PATH": str(tmp / "gw.sqlite3"), "CALM_DRIFT_WINDOW": "100", "CALM_REGISTRY_POLL_S": "1"}
-    with loop_stack(tmp, free_port(), tmp / "loop.toml", env) as stack:
+    # The worker's judging engines with the CPU default's KV cache (512 MB; the suite's engines have 128,
+    # tests/conftest.py): a judging pass sends its 210 questions at once, 128 MB runs ~22 of them at a time, and 512
+    # costs the engine 0.84x the CPU for the same answers (benchmarks/results/kv_cache_batching.md). One engine at a
+    # time, so 0.4 GB more at most.
+    with loop_stack(tmp, free_port(), tmp / "loop.toml", env, worker_env={"CALM_KV_CACHE_MB": "512"}) as stack:
         yield {**stack, "traffic": traffic, "labels": labels, "held_out": held_out}
 
 
