@@ -20,7 +20,7 @@ import openai
 from adapters.hosting.allocator import TCMALLOC_PRELOAD
 from adapters.hosting.cpu_limits import usable_cpus
 from adapters.hosting.engine_settings import FLEET_CPU_BLOCK_SIZE, SINGLE_PROCESS_ENV
-from tests.servers import background, calm_argv, free_port, wait_until
+from tests.servers import background, calm_argv, free_port, http, wait_until
 
 MODEL = "calm-smollm2-135m"
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def engine_threads(engines: int = 2) -> str:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        return http.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

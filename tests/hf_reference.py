@@ -33,11 +33,11 @@ def cloze_option_probs(model, tokenizer, question: str, choices, scale=1.0, shif
 def option_tolerances(gateway_url: str) -> tuple[float, float]:
     """(option probabilities, raw confidence) tolerances against these fp32 numbers for the engine's dtype in force:
     1e-3 in fp32, the bf16 budget otherwise."""
-    import httpx
+    from tests.servers import http
 
     from adapters.hosting.engine_settings import BF16_BUDGET
 
-    dtype = httpx.get(f"{gateway_url}/health", headers={"Authorization": "Bearer dev-admin-key"}, timeout=30).json()["engine"].get("dtype", "float32")
+    dtype = http.get(f"{gateway_url}/health", headers={"Authorization": "Bearer dev-admin-key"}, timeout=30).json()["engine"].get("dtype", "float32")
     if dtype == "float32":
         return 1e-3, 1e-3
     return BF16_BUDGET["option_probability"], BF16_BUDGET["raw_confidence"]

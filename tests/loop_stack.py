@@ -11,17 +11,12 @@ from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
-from tests.servers import REPO, background, calm_argv, free_port, metric_values, running
+from tests.servers import REPO, background, calm_argv, free_port, http, metric_values, running
 
 ADMIN = {"Authorization": "Bearer dev-admin-key"}
-# The loop tests' HTTP calls: on a loaded 2-core machine (a worker training and judging beside the gateway, another
-# test file's engines) a poll can take longer than httpx's 5 s default to be answered; a slow answer is not a failure
-# (a fresh-clone run failed that way once), the deadline of each wait is.
-http = httpx.Client(timeout=120)
 RULES = REPO / "deploy" / "prometheus" / "alerts.yml"
 ALERTMANAGER = REPO / "deploy" / "alertmanager" / "alertmanager.yml"
 

@@ -106,27 +106,41 @@ def start_and_cpu_s(pid: int) -> tuple[float, float]:
     The start, not psutil's create_time(): that adds the boot time as the wall clock puts it at the call, which moves by
     a second now and then while the clock is adjusted, and then a process is a new one to every later sample:
     fresh-clone runs of d01f3a1 counted 59.7 CPU minutes in 21 minutes on 2 cores."""
-    fields = stat_fields(pid)
+    return _start_and_cpu_s(stat_fields(pid))
+
+
+def _start_and_cpu_s(fields: list[bytes]) -> tuple[float, float]:
     return int(fields[19]) / _CLOCK_TICKS, (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 def stat_fields(pid: int) -> list[bytes]:
     """/proc/PID/stat after the command's closing parenthesis: [0] is field 3 (the state), [7] minflt, [11] utime,
-    [12] stime, [19] starttime."""
+    [12] stime, [19] starttime, [21] rss (pages)."""
     return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
 
 
 def tree_cpu_s(pid: int | None = None) -> dict[tuple[int, float], float]:
     """CPU seconds used so far by each process of the tree, keyed by pid and start (`start_and_cpu_s`; cheap: one stat
     file each)."""
-    cpu = {}
+    return tree_cpu_and_rss(pid)[0]
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def tree_cpu_and_rss(pid: int | None = None) -> tuple[dict[tuple[int, float], float], float]:
+    """`tree_cpu_s`, and the tree's resident set size summed (GB; shared pages counted by every process that maps
+    them), from the same stat files (field 24, rss, in pages)."""
+    cpu, rss_pages = {}, 0
     for proc in _tree(pid):
         try:
-            started, used = start_and_cpu_s(proc.pid)
+            fields = stat_fields(proc.pid)
         except OSError:  # ended meanwhile
             continue
+        started, used = _start_and_cpu_s(fields)
         cpu[(proc.pid, started)] = used
-    return cpu
+        rss_pages += int(fields[21])
+    return cpu, rss_pages * _PAGE_BYTES / 2**30
 
 
 def cpu_used_s(before: dict[tuple[int, float], float], after: dict[tuple[int, float], float]) -> float:
@@ -145,12 +159,16 @@ class PeakMemory:
     a module's servers and their engines took at most: the numbers the `memory_gb` marks come from; their plateaus last
     minutes), and the CPU seconds the tree used meanwhile, sampled every `every_s` (`cpu_s`; a process's last seconds
     before it ends between two samples are not counted): on a machine whose cores are busy, the time a module costs the
-    whole run. PSS every 2 s cost the worker 6-12 % of a core beside a gateway stack (`tree_pss_gb`)."""
+    whole run. PSS is not cheap (`tree_pss_gb`): every 2 s it cost the worker 6-12 % of a core beside a gateway stack,
+    every 10 s ~58 CPU s of a whole run (py-spy of a suite run, 2026-12-07). So it is read every 20 s, and only while
+    the tree's RSS, free from the stat files the CPU comes from, exceeds the peak so far: a process's PSS is at most
+    its RSS, so below that no sample could be a new peak."""
 
     BUSY_S = 5.0  # a process this busy counts in `busy_processes` (each interpreter that imports vLLM takes ~9.5)
 
-    def __init__(self, every_s: float = 2.0, pss_every_s: float = 10.0, busy_s: float = BUSY_S):
+    def __init__(self, every_s: float = 2.0, pss_every_s: float = 20.0, busy_s: float = BUSY_S):
         self.every_s, self.pss_every_s, self.busy_s, self.peak_gb = every_s, pss_every_s, busy_s, 0.0
+        self.pss_reads = 0
         self._cpu: dict[tuple[int, float], float] = {}
         self._cpu_at_start: dict[tuple[int, float], float] = {}
         self._stop = threading.Event()
@@ -169,9 +187,11 @@ class PeakMemory:
         return {key: seconds - self._cpu_at_start.get(key, 0.0) for key, seconds in self._cpu.items()}
 
     def _take(self, pss: bool) -> None:
-        self._cpu.update(tree_cpu_s())
-        if pss:
+        cpu, rss_gb = tree_cpu_and_rss()
+        self._cpu.update(cpu)
+        if pss and rss_gb > self.peak_gb:
             self.peak_gb = max(self.peak_gb, tree_pss_gb())
+            self.pss_reads += 1
 
     def _sample(self) -> None:
         next_pss = time.monotonic()

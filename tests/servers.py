@@ -15,6 +15,13 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+# Every test's HTTP call goes through this one client. httpx.get() and its siblings build a client per call, and with it
+# an SSL context (certifi's bundle parsed: ~20 ms of CPU) even for plain http: a gateway's start-up polls alone built
+# hundreds. The timeout only ends a hang: on a loaded 2-core machine (a worker training beside the gateway, another
+# file's engines) an answer can take longer than httpx's 5 s default, and a slow answer is not a failure. An idle
+# connection is dropped after 2 s: vLLM's servers close theirs after 5 (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request
+# sent on one as it closes fails unanswered.
+http = httpx.Client(timeout=120, limits=httpx.Limits(keepalive_expiry=2))
 
 
 _GIVEN: set[int] = set()
@@ -82,10 +89,10 @@ def alive(process) -> bool:
 def metric_values(base: str, name: str, **labels: str) -> list[float]:
     """The values of the samples named `name` in `base`/metrics (the gateway's or vLLM's) whose labels include
     `labels`, read with prometheus_client's own parser of the text format. The read may take long on a loaded machine
-    (the retraining loop's tests poll beside a training worker): its timeout only ends a hang, as loop_stack's client."""
+    (the retraining loop's tests poll beside a training worker): its timeout only ends a hang (`http`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base}/metrics", timeout=120).text
+    text = http.get(f"{base}/metrics").text
     return [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
             if sample.name == name and labels.items() <= sample.labels.items()]
 
@@ -100,7 +107,7 @@ def running(argv: list[str], health_url: str, log_path: Path, env: dict | None =
             if proc.poll() is not None:
                 raise RuntimeError(f"{argv[:3]} exited with {proc.returncode}; log:\n{log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
+                if http.get(health_url, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -149,7 +156,7 @@ def watch_start(base: str, proc: subprocess.Popen, log_path: Path, timeout: floa
 
     def status(method: str, path: str, **kwargs) -> tuple[int | None, httpx.Response | None]:
         try:
-            r = httpx.request(method, f"{base}{path}", timeout=60, **kwargs)
+            r = http.request(method, f"{base}{path}", timeout=60, **kwargs)
             return r.status_code, r
         except httpx.TransportError:
             return None, None

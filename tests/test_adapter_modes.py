@@ -5,13 +5,12 @@ each request gets its version's adapter and its version's α head."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
 from tests.hf_reference import cloze_option_probs
-from tests.servers import calm_argv, free_port, running
+from tests.servers import calm_argv, free_port, http, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -41,7 +40,7 @@ def test_lora_adapter_mode_scores_like_hf_peft(tmp_path, embedded_model_dir, shi
     port = free_port()
     env = {"CALM_DB_PATH": str(tmp_path / "g.db"), "CALM_ADAPTER_MODE": "lora", "CALM_ONE_PASS_SCORING": "false"}
     with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/health", tmp_path / "gw.log", env):
-        health = httpx.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
+        health = http.get(f"http://127.0.0.1:{port}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
         # The multiple-choice adapter as a vLLM LoRA in the base engine; the free-form mode has its own engine (its head).
         assert health["engine"]["adapter"] == "lora" and health["engine"]["engines"] == ["base", "free_form"]
         # Two versions, two engines: one multi-LoRA engine for both adapters, one free-form engine (the same mode).

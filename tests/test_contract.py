@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.protocol.common import WHITE_SPACE
-from tests.servers import free_port
+from tests.servers import free_port, http as shared_http
 from tests.test_client_keys import make_app
 
 
@@ -74,7 +74,7 @@ def test_schemathesis_finds_no_contract_violation_behind_a_fake_engine(tmp_path)
         deadline = time.monotonic() + 180  # importing the app takes seconds, many more on a busy machine
         while True:
             try:
-                httpx.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5)
+                shared_http.get(f"http://127.0.0.1:{port}/openapi.json", timeout=5)
                 break
             except httpx.HTTPError:
                 assert server.poll() is None and time.monotonic() < deadline, "the app under test did not start"

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from adapters.hosting.engine_processes import SERVER_NAME
-from tests.servers import alive, calm_argv, free_port, running, wait_until
+from tests.servers import alive, calm_argv, free_port, http, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -38,12 +38,12 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]}
     acknowledged: list[tuple[str, bool]] = []
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "a.log", env) as proc:
-        ids = [httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["id"] for _ in range(60)]
+        ids = [http.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["id"] for _ in range(60)]
         lock = threading.Lock()
 
         def send(response_id: str, verdict: bool):
             try:
-                r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
+                r = http.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
             except httpx.HTTPError:
                 return  # the gateway died under this one: not acknowledged
             if r.status_code == 200:
@@ -78,7 +78,7 @@ def test_sigkill_mid_write_loses_no_acknowledged_feedback(tmp_path, identity_art
     restart = {**env, "CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["http://127.0.0.1:{free_port()}"]'}
     with running(calm_argv("serve", "--port", str(port)), f"{base}/v1/models", tmp_path / "b.log", restart):
         for response_id, verdict in acknowledged:  # the same verdict again: "already recorded", never a conflict
-            r = httpx.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
+            r = http.post(f"{base}/v1/feedback", json={"response_id": response_id, "correct": verdict}, timeout=10)
             assert r.status_code == 200 and r.json()["recorded"] is False, (response_id, r.text)
 
 
@@ -93,17 +93,17 @@ def test_an_engine_core_that_died_turns_liveness_to_503_so_the_gateway_is_restar
     base = f"http://127.0.0.1:{port}"
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Say yes."}]}
     with running(calm_argv("serve", "--port", str(port)), f"{base}/health", tmp_path / "gw.log", env) as proc:
-        assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
-        assert httpx.get(f"{base}/health/live", timeout=30).status_code == 200
+        assert http.post(f"{base}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert http.get(f"{base}/health/live", timeout=30).status_code == 200
         children = psutil.Process(proc.pid).children(recursive=True)
         # The engine cores: forked by the forkserver (adapters/hosting/engine_processes.py), the gateway's only grandchildren.
         cores = [p for p in children if p.ppid() != proc.pid]
         assert len(cores) == 1, [(p.pid, p.ppid(), " ".join(p.cmdline())[:120]) for p in children]
         cores[0].send_signal(signal.SIGKILL)
-        live = wait_until("liveness to turn 503", lambda: (r := httpx.get(f"{base}/health/live", timeout=30))
+        live = wait_until("liveness to turn 503", lambda: (r := http.get(f"{base}/health/live", timeout=30))
                           .status_code == 503 and r, timeout=120)
         assert live.json()["error"]["code"] == "engine_dead" and "died" in live.json()["error"]["message"]
-        answer = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        answer = http.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable_error"
-        assert httpx.get(f"{base}/health/ready", timeout=30).status_code == 503
+        assert http.get(f"{base}/health/ready", timeout=30).status_code == 503
         assert proc.poll() is None  # the process stays up: restarting it is the orchestrator's call

@@ -21,7 +21,7 @@ import pytest
 
 from tests.fleet import MODEL, Fleet
 from tests.hf_reference import cloze_option_probs, greedy_free_form
-from tests.servers import wait_until
+from tests.servers import http, wait_until
 
 # memory_gb: the peak PSS of two engine servers, two gateways, HAProxy, PostgreSQL, S3 (tests/memory_budget.py): 8.4-9.0
 # GB measured while each engine ran a worker process of its own, 7.7 since (one process each, tests/fleet.py's
@@ -100,7 +100,7 @@ def test_either_replica_serves_both_modes_as_hf_does(fleet, shipped_artifact, sh
     scal = semantic.choices[0].model_extra["calibration"]
     assert scal["method"] == "semantic" and scal["clusters"]
     assert semantic.choices[0].message.content == ff_tokenizer.decode(answer, skip_special_tokens=True)
-    health = httpx.get(f"{fleet.gateway_url(0)}/health", headers=ADMIN).json()
+    health = http.get(f"{fleet.gateway_url(0)}/health", headers=ADMIN).json()
     assert health["engine"]["kind"] == "upstream" and health["engine"]["free_form_mode"] is True
 
 
@@ -110,7 +110,7 @@ def test_unknown_versions_and_paths_are_refused_by_engine_and_gateway(fleet, ver
     engine = fleet.engine_url(0)
 
     def direct(model: str, head: str) -> httpx.Response:
-        return httpx.post(f"{engine}/v1/completions", timeout=120, json={
+        return http.post(f"{engine}/v1/completions", timeout=120, json={
             "model": model, "prompt": "The sky is", "max_tokens": 1, "vllm_xargs": {"calm_head": head}})
 
     assert direct(versions[0], versions[0]).status_code == 200
@@ -120,21 +120,21 @@ def test_unknown_versions_and_paths_are_refused_by_engine_and_gateway(fleet, ver
         assert direct(bad, versions[0]).status_code == 404  # no adapter of that name in the registry
     for base in (fleet.gateway_url(0), fleet.lb):
         for bad, status in (("/etc", 400), (f"../{versions[0]}", 400), ("no-such-version", 404)):
-            r = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            r = http.post(f"{base}/v1/chat/completions", timeout=60, json={
                 "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "calm": {"version": bad}})
             assert r.status_code == status and r.json()["error"]["param"].startswith("calm"), (bad, r.text)
-        pinned = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+        pinned = http.post(f"{base}/v1/chat/completions", timeout=300, json={
             "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "options": OPTIONS,
             "calm": {"version": versions[0]}})
         assert pinned.status_code == 200 and pinned.json()["choices"][0]["calibration"]["artifact_version"] == versions[0]
 
 
 def loaded_adapters(url: str) -> set[str]:
-    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]} - {MODEL}
+    return {m["id"] for m in http.get(f"{url}/v1/models", timeout=10).json()["data"]} - {MODEL}
 
 
 def routes(url: str) -> dict:
-    return httpx.get(f"{url}/health", headers=ADMIN, timeout=10).json()["versions"]["routes"]
+    return http.get(f"{url}/health", headers=ADMIN, timeout=10).json()["versions"]["routes"]
 
 
 def test_a_promotion_through_one_replica_is_served_by_both_and_rollback_returns(fleet, versions, embedded_model_dir,
@@ -156,7 +156,7 @@ def test_a_promotion_through_one_replica_is_served_by_both_and_rollback_returns(
                                   shipped_artifact.head.shift)
     assert np.abs(np.array(expected_v2) - np.array(expected)).max() > 0.01  # the versions answer differently
     a, b = fleet.gateway_url(0), fleet.gateway_url(1)
-    r = httpx.post(f"{a}/admin/artifacts/{v2}/promote", headers=ADMIN, json={"domain": "science"}, timeout=30)
+    r = http.post(f"{a}/admin/artifacts/{v2}/promote", headers=ADMIN, json={"domain": "science"}, timeout=30)
     assert r.status_code == 200, r.text
     switched = {}
     for name, url in (("a", a), ("b", b)):
@@ -175,7 +175,7 @@ def test_a_promotion_through_one_replica_is_served_by_both_and_rollback_returns(
         r1, cal1 = mc(client, "medicine")
         assert cal1["artifact_version"] == shipped
         np.testing.assert_allclose([o["probability"] for o in cal1["options"]], expected, atol=1e-3)
-    r = httpx.post(f"{b}/admin/domains/science/rollback", headers=ADMIN, timeout=30)
+    r = http.post(f"{b}/admin/domains/science/rollback", headers=ADMIN, timeout=30)
     assert r.status_code == 200 and r.json()["version"] is None, r.text  # science falls back to the global default
     for url in (a, b):
         wait_until("science back on the shipped version", lambda url=url: routes(url).get("science", shipped) == shipped,
@@ -204,7 +204,7 @@ def load(fleet: Fleet, base: str, stop: threading.Event, results: list, feedback
                 r = client.chat.completions.create(model=MODEL, max_tokens=8,
                                                    messages=[{"role": "user", "content": "Name a color."}])
             code = 200
-            f = httpx.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": bool(i % 3)}, timeout=60)
+            f = http.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": bool(i % 3)}, timeout=60)
             if f.status_code == 200:
                 feedback.append(r.id)
         except openai.APIStatusError as e:
@@ -246,8 +246,8 @@ def test_a_gateway_replica_killed_under_load(fleet, postgres_url):
 
     a, b = fleet.gateway_url(0), fleet.gateway_url(1)
     r, _ = mc(fleet.client(a), "science")
-    first = httpx.post(f"{b}/v1/feedback", json={"response_id": r.id, "correct": True}, timeout=60).json()
-    again = httpx.post(f"{a}/v1/feedback", json={"response_id": r.id, "correct": True}, timeout=60).json()
+    first = http.post(f"{b}/v1/feedback", json={"response_id": r.id, "correct": True}, timeout=60).json()
+    again = http.post(f"{a}/v1/feedback", json={"response_id": r.id, "correct": True}, timeout=60).json()
     assert first["recorded"] is True and again["recorded"] is False
     results, acknowledged, killed_at, gone_at = under_load(fleet, 4, "gateway0")
     after = [c for s, _, c in results if s > gone_at]

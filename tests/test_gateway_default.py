@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -17,7 +16,7 @@ from adapters.hosting.cpu_limits import usable_cpus
 from calm_core.data import load_mc
 from calm_core.prompts import cloze_prompt
 from tests.hf_reference import cloze_option_probs
-from tests.servers import background, calm_argv, free_port, metric_values, wait_until, watch_start
+from tests.servers import background, calm_argv, free_port, http, metric_values, wait_until, watch_start
 from tests.test_cli import calm
 
 # memory_gb: the peak PSS of a gateway with three engines, `calm eval` offline beside it: 8.1 GB measured with the
@@ -109,7 +108,7 @@ def test_ready_flips_to_200_exactly_when_the_first_answer_is_served(started):
 
 
 def test_the_shipped_artifact_is_served_by_one_pass_scoring(gateway):
-    health = httpx.get(f"{gateway}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
+    health = http.get(f"{gateway}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()
     assert health["scoring"]["multiple_choice"].startswith("cloze one-pass:"), health["scoring"]
     assert "prefix cache" in health["scoring"]["multiple_choice"], health["scoring"]
 
@@ -121,17 +120,17 @@ def test_the_engines_share_the_cores_step_by_step(started):
     base, cpus = started["base"], usable_cpus()
 
     def teams() -> dict:
-        share = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]["core_share"]
+        share = http.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]["core_share"]
         assert share["cpus"] == cpus
         return share["teams"]
 
     def ask(raw: bool) -> None:
-        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        r = http.post(f"{base}/v1/chat/completions", timeout=120, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Which planet is largest?"}],
             "options": ["Mars", "Jupiter", "Venus", "Mercury"], "calm": {"raw_confidence": raw}})
         assert r.status_code == 200, r.text
 
-    engine = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]
+    engine = http.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["engine"]
     assert engine["threads"] is None and engine["omp_wait_policy"] == "PASSIVE"
     assert ("starting 3 vLLM engines (adapter, folded, free_form), OpenMP teams sized every step to a share of "
             f"{cpus} cores (OMP_WAIT_POLICY=PASSIVE)") in started["log"].read_text()
@@ -263,12 +262,12 @@ def test_a_free_form_answers_confidence_is_the_same_however_it_was_sampled(clien
     assert len(answers) == 1 and "Paris" in answers.pop()
     assert max(confidences) - min(confidences) < 1e-6 and confidences[0] < 0.9, confidences
     admin = {"Authorization": "Bearer dev-admin-key"}
-    policy = httpx.put(f"{gateway}/admin/policies/other", json={"threshold": 0.9, "action": "abstain"}, headers=admin)
+    policy = http.put(f"{gateway}/admin/policies/other", json={"threshold": 0.9, "action": "abstain"}, headers=admin)
     assert policy.status_code == 200, policy.text
     try:
         assert all(calibration(c)["abstained"] for c in ask())
     finally:
-        assert httpx.delete(f"{gateway}/admin/policies/other", headers=admin).status_code in (200, 204)
+        assert http.delete(f"{gateway}/admin/policies/other", headers=admin).status_code in (200, 204)
     options = {"options": ["Paris", "Lyon", "Nice", "Lille"]}
     mc = [calibration(client.chat.completions.create(model=MODEL, messages=question, extra_body=options, **t
                                                      ).choices[0])["confidence"]
@@ -342,7 +341,7 @@ def test_seeded_answers_in_a_batch_prefilled_in_chunks_keep_the_engine_and_follo
         batched = list(pool.map(ask, range(12)))
     assert all(c.finish_reason in ("stop", "length") and c.message.content for c in batched)
     assert [ask(i).message.content for i in (0, 11)] == [batched[0].message.content, batched[11].message.content]
-    assert httpx.get(f"{gateway}/health/ready", timeout=30).status_code == 200
+    assert http.get(f"{gateway}/health/ready", timeout=30).status_code == 200
 
 
 def _chat_requests(gateway: str) -> float:
@@ -504,7 +503,7 @@ def test_calm_eval_through_the_gateway_in_a_domain_scores_the_version_serving_th
                  env={"CALM_DB_PATH": str(started["db"])})
     assert added.returncode == 0, added.stderr
     try:
-        wait_until("the gateway to serve the new version for commonsense", lambda: httpx.get(
+        wait_until("the gateway to serve the new version for commonsense", lambda: http.get(
             f"{gateway}/health", headers=admin).json()["versions"]["routes"].get("commonsense") ==
             flatter.artifact_version, 300, 0.5)
         runs = {"offline": ["--artifact", tmp_path / "flatter"],
@@ -520,5 +519,5 @@ def test_calm_eval_through_the_gateway_in_a_domain_scores_the_version_serving_th
         assert json.loads((tmp_path / "own_domain" / "report.json").read_text())["artifact"] == \
             shipped_artifact.manifest.artifact_version
     finally:  # the domain back on the shipped version for the file's other tests
-        r = httpx.post(f"{gateway}/admin/domains/commonsense/rollback", headers=admin, timeout=60)
+        r = http.post(f"{gateway}/admin/domains/commonsense/rollback", headers=admin, timeout=60)
         assert r.status_code == 200, r.text

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import http.client
+from http.client import HTTPConnection
 import json
 import math
 import time
@@ -18,7 +18,7 @@ from calm_core.scoring import option_probs
 from calm_core.artifact import load_artifact, save_artifact
 from calm_core.data import load_mc
 from calm_core.prompts import letter_prompt, letter_token_ids
-from tests.servers import calm_argv, free_port, running
+from tests.servers import calm_argv, free_port, http, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -71,14 +71,14 @@ def calibration(choice) -> dict:
 def test_models_and_health(client, gateway):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
-    health = httpx.get(f"{gateway}/health", headers=ADMIN).json()
+    health = http.get(f"{gateway}/health", headers=ADMIN).json()
     assert health["status"] == "ok" and health["artifact_version"].startswith("test-")
 
 
 def test_an_idle_connection_outlives_uvicorns_5_s_default(gateway):
     """A client (or balancer) reusing a connection after 6 s idle is answered on it: with uvicorn's default the gateway
     closed it at 5 s, and a request sent at that moment failed with no answer (CALM_KEEP_ALIVE_S, default 75)."""
-    conn = http.client.HTTPConnection(gateway.removeprefix("http://"), timeout=30)
+    conn = HTTPConnection(gateway.removeprefix("http://"), timeout=30)
     conn.request("GET", "/health/live")
     first = conn.getresponse()
     first.read()  # the whole answer read: the connection is idle and reusable
@@ -201,7 +201,7 @@ def test_streaming_matches_non_streaming_and_ends_with_calibration(client):
 
 def test_abstention_policy_and_stricter_request(client, gateway):
     q = {"messages": [{"role": "user", "content": "Which is largest?"}], "extra_body": {"options": ["ant", "dog", "whale"]}}
-    r = httpx.put(f"{gateway}/admin/policies/science", headers=ADMIN,
+    r = http.put(f"{gateway}/admin/policies/science", headers=ADMIN,
                   json={"threshold": 1.0, "action": "abstain", "message": "Routing to a human."})
     assert r.status_code == 200 and r.json()["version"] == 1
     out = client.chat.completions.create(model=MODEL, metadata={"domain": "science"}, **q)
@@ -220,28 +220,28 @@ def test_abstention_policy_and_stricter_request(client, gateway):
     # Streaming with an abstain policy never shows the withheld answer.
     chunks = list(client.chat.completions.create(model=MODEL, metadata={"domain": "science"}, stream=True, **q))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Routing to a human."
-    assert httpx.delete(f"{gateway}/admin/policies/science", headers=ADMIN).status_code == 200
-    audit = httpx.get(f"{gateway}/admin/audit", params={"domain": "science"}, headers=ADMIN).json()["data"]
+    assert http.delete(f"{gateway}/admin/policies/science", headers=ADMIN).status_code == 200
+    audit = http.get(f"{gateway}/admin/audit", params={"domain": "science"}, headers=ADMIN).json()["data"]
     assert [a["action"] for a in audit][:2] == ["delete", "create"]
 
 
 def test_target_risk_policy_derives_threshold_from_reference(gateway):
-    r = httpx.put(f"{gateway}/admin/policies/medicine", headers=ADMIN, json={"target_risk": 0.4})
+    r = http.put(f"{gateway}/admin/policies/medicine", headers=ADMIN, json={"target_risk": 0.4})
     assert r.status_code == 200
     assert 0.0 < r.json()["effective_threshold"] <= 1.0
-    httpx.delete(f"{gateway}/admin/policies/medicine", headers=ADMIN)
+    http.delete(f"{gateway}/admin/policies/medicine", headers=ADMIN)
 
 
 def test_feedback_is_idempotent_and_feeds_online_metrics(client, gateway):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Which is a fruit?"}],
                                        extra_body={"options": ["apple", "stone"]}, metadata={"domain": "commonsense"})
-    first = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
-    again = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
+    first = http.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
+    again = http.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": True})
     assert first.status_code == again.status_code == 200
     assert first.json()["recorded"] and not again.json()["recorded"]
-    conflict = httpx.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": False})
+    conflict = http.post(f"{gateway}/v1/feedback", json={"response_id": r.id, "correct": False})
     assert conflict.status_code == 409 and conflict.json()["error"]["type"] == "conflict_error"
-    metrics = httpx.get(f"{gateway}/metrics").text
+    metrics = http.get(f"{gateway}/metrics").text
     assert 'calm_online_accuracy{domain="commonsense"} 1.0' in metrics
     assert 'calm_feedback_total{correct="true",domain="commonsense"} 1.0' in metrics
     assert 'calm_confidence_bucket{domain="commonsense"' in metrics
@@ -282,7 +282,7 @@ def error_of(resp: httpx.Response, status: int) -> dict:
 )
 def test_bad_chat_requests(gateway, body, status, needle):
     content = body if isinstance(body, str) else json.dumps(body)
-    resp = httpx.post(f"{gateway}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    resp = http.post(f"{gateway}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
     assert needle in error_of(resp, status)["message"]
 
 
@@ -295,17 +295,17 @@ def test_bad_input_through_the_official_client(client):
 
 def test_bad_admin_and_feedback_requests(gateway):
     url = f"{gateway}/admin/policies/science"
-    assert error_of(httpx.put(url, json={"threshold": 0.5}), 401)["type"] == "authentication_error"
-    assert error_of(httpx.put(url, json={"threshold": 0.5}, headers={"Authorization": "Bearer nope"}), 403)
-    assert "threshold" in error_of(httpx.put(url, json={"threshold": 2}, headers=ADMIN), 400)["message"]
-    assert "exactly one" in error_of(httpx.put(url, json={"action": "abstain"}, headers=ADMIN), 400)["message"]
-    assert error_of(httpx.put(url, json={"threshold": 0.5, "action": "shout"}, headers=ADMIN), 400)
-    assert error_of(httpx.put(f"{gateway}/admin/policies/Bad%20Name", json={"threshold": 0.5}, headers=ADMIN), 400)
-    assert error_of(httpx.get(f"{gateway}/admin/policies/none", headers=ADMIN), 404)
+    assert error_of(http.put(url, json={"threshold": 0.5}), 401)["type"] == "authentication_error"
+    assert error_of(http.put(url, json={"threshold": 0.5}, headers={"Authorization": "Bearer nope"}), 403)
+    assert "threshold" in error_of(http.put(url, json={"threshold": 2}, headers=ADMIN), 400)["message"]
+    assert "exactly one" in error_of(http.put(url, json={"action": "abstain"}, headers=ADMIN), 400)["message"]
+    assert error_of(http.put(url, json={"threshold": 0.5, "action": "shout"}, headers=ADMIN), 400)
+    assert error_of(http.put(f"{gateway}/admin/policies/Bad%20Name", json={"threshold": 0.5}, headers=ADMIN), 400)
+    assert error_of(http.get(f"{gateway}/admin/policies/none", headers=ADMIN), 404)
     fb = f"{gateway}/v1/feedback"
-    assert "no response" in error_of(httpx.post(fb, json={"response_id": "chatcmpl-unknown", "correct": True}), 404)["message"]
-    assert error_of(httpx.post(fb, json={"response_id": "x", "correct": "yes"}), 400)
-    assert error_of(httpx.post(fb, json={"correct": True}), 400)
+    assert "no response" in error_of(http.post(fb, json={"response_id": "chatcmpl-unknown", "correct": True}), 404)["message"]
+    assert error_of(http.post(fb, json={"response_id": "x", "correct": "yes"}), 400)
+    assert error_of(http.post(fb, json={"correct": True}), 400)
 
 
 def test_every_dashboard_query_returns_the_gateways_series(gateway, client, shared_data, tmp_path):
@@ -321,14 +321,14 @@ def test_every_dashboard_query_returns_the_gateways_series(gateway, client, shar
     questions = [q for q in load_mc("medmcqa", "dev", root=shared_data) if q.n_options == 4][:40]
     # A loose target (the letter head here is near chance) so that the answers sent after the fit are kept.
     policy = {"target_risk": 0.95, "delta": 0.5, "min_labels": 30, "fallback": "label_free", "action": "annotate"}
-    assert httpx.put(f"{gateway}/admin/policies/medicine", json=policy, headers=ADMIN).status_code == 200
+    assert http.put(f"{gateway}/admin/policies/medicine", json=policy, headers=ADMIN).status_code == 200
     labels = [{"question": q.question, "options": list(q.choices), "answer": q.answer} for q in questions[:30]]
-    r = httpx.post(f"{gateway}/admin/labels/medicine", json={"questions": labels}, headers=ADMIN, timeout=300)
+    r = http.post(f"{gateway}/admin/labels/medicine", json={"questions": labels}, headers=ADMIN, timeout=300)
     assert r.status_code == 200, r.text
     for q in questions[30:]:
         answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q.question}],
                                                 extra_body={"options": list(q.choices)}, metadata={"domain": "medicine"})
-        httpx.post(f"{gateway}/v1/feedback", json={"response_id": answer.id, "correct": True}).raise_for_status()
+        http.post(f"{gateway}/v1/feedback", json={"response_id": answer.id, "correct": True}).raise_for_status()
     traffic_ended = time.time()
 
     port = free_port()
@@ -343,7 +343,7 @@ scrape_configs:
     prometheus = f"http://127.0.0.1:{port}"
 
     def query(expr: str) -> list[dict]:
-        return httpx.get(f"{prometheus}/api/v1/query", params={"query": expr}).json()["data"]["result"]
+        return http.get(f"{prometheus}/api/v1/query", params={"query": expr}).json()["data"]["result"]
 
     with running(argv, f"{prometheus}/-/ready", tmp_path / "prom.log", timeout=60):
         # Rates need two scrapes after the traffic: wait for the second one's sample.

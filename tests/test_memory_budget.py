@@ -80,6 +80,39 @@ def test_a_blocks_cpu_counts_its_children_and_not_what_came_before():
     assert footprint.peak_gb > 0.0
 
 
+def test_pss_is_read_only_where_the_trees_rss_could_hold_a_new_peak(monkeypatch):
+    """A process's PSS is at most its RSS: while the tree's RSS (read with the CPU, from the stat files) is no more than
+    the peak PSS so far, the sampler skips the costly PSS read; above it, it reads."""
+    import tests.memory_budget as budget
+
+    rss = {"gb": 5.0}
+    monkeypatch.setattr(budget, "tree_cpu_and_rss", lambda pid=None: ({}, rss["gb"]))
+    monkeypatch.setattr(budget, "tree_pss_gb", lambda pid=None: 3.0)
+    sampler = budget.PeakMemory()
+    sampler._take(pss=True)
+    assert (sampler.peak_gb, sampler.pss_reads) == (3.0, 1)
+    rss["gb"] = 2.9  # below the peak: no sample now could exceed it
+    sampler._take(pss=True)
+    assert (sampler.peak_gb, sampler.pss_reads) == (3.0, 1)
+    rss["gb"] = 3.1
+    sampler._take(pss=True)
+    sampler._take(pss=False)  # between PSS reads only the CPU is read
+    assert (sampler.peak_gb, sampler.pss_reads) == (3.0, 2)
+
+
+def test_the_trees_rss_from_the_stat_files_is_what_psutil_reads_and_bounds_its_pss():
+    import psutil
+
+    from tests.memory_budget import tree_cpu_and_rss, tree_cpu_s, tree_pss_gb
+
+    cpu, rss_gb = tree_cpu_and_rss()
+    assert cpu.keys() == tree_cpu_s().keys()
+    me = psutil.Process()
+    psutil_gb = sum(p.memory_info().rss for p in [me, *me.children(recursive=True)]) / 2**30
+    assert abs(rss_gb - psutil_gb) < 0.05  # read a moment apart
+    assert tree_pss_gb() <= rss_gb + 0.05
+
+
 def test_a_process_keeps_its_key_when_the_wall_clock_moves_the_boot_time(monkeypatch):
     """The wall clock's idea of the boot time moves while the clock is adjusted; a process sampled before and after
     is still one process (psutil's create_time() changed with it, and long-lived processes were counted again whole)."""

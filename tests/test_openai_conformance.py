@@ -23,7 +23,7 @@ import pytest
 
 from scripts.readme_numbers import page_of, read_block
 from tests.recorded import results_dir
-from tests.servers import calm_argv, free_port, metric_values, running
+from tests.servers import calm_argv, free_port, http, metric_values, running
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -311,16 +311,14 @@ def test_multiple_choice_logprobs_in_openai_shape(clients):
 
 
 def test_n_choices_each_carry_their_own_calibration_and_take_feedback(clients):
-    import httpx
-
     r = clients["inprocess"].chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8, n=3,
                                                      temperature=1.0, seed=11)
     confidences = [c.model_extra["calibration"]["confidence"] for c in r.choices]
     assert [c.index for c in r.choices] == [0, 1, 2] and len(set(confidences)) == 3
     base = str(clients["inprocess"].base_url).rstrip("/").removesuffix("/v1")
-    ok = httpx.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": True, "choice_index": 2})
+    ok = http.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": True, "choice_index": 2})
     assert ok.status_code == 200 and ok.json()["recorded"] is True
-    missing = httpx.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": True, "choice_index": 5})
+    missing = http.post(f"{base}/v1/feedback", json={"response_id": r.id, "correct": True, "choice_index": 5})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "choice_index"
 
 
@@ -337,9 +335,7 @@ def vllm_requests(stack) -> float:
 
 
 def put_policy(stack, domain: str, policy: dict) -> None:
-    import httpx
-
-    r = httpx.put(f"{stack['inprocess']}/admin/policies/{domain}", json=policy, headers=ADMIN)
+    r = http.put(f"{stack['inprocess']}/admin/policies/{domain}", json=policy, headers=ADMIN)
     assert r.status_code == 200, r.text
 
 
@@ -406,9 +402,7 @@ def test_a_target_down_or_slow_gets_the_fallback_within_its_timeout(stack, clien
     assert slow.model_extra["calibration"]["escalation"]["fallback"].startswith("timeout: the target did not answer")
     streamed, _ = _merge_stream(list(first.chat.completions.create(stream=True, **ask)))
     assert streamed[0]["text"] == "Ask a person." and streamed[0]["finish"] is not None
-    import httpx
-
-    metrics = httpx.get(f"{stack['inprocess']}/metrics").text
+    metrics = http.get(f"{stack['inprocess']}/metrics").text
     for line in ('calm_escalation_errors_total{domain="escalation",reason="connect"} 1.0',
                  'calm_escalation_errors_total{domain="escalation",reason="timeout"} 2.0',
                  'calm_escalations_total{domain="escalation",outcome="fallback_abstain"} 2.0'):
@@ -417,8 +411,6 @@ def test_a_target_down_or_slow_gets_the_fallback_within_its_timeout(stack, clien
 
 def test_a_review_round_trip_becomes_counted_feedback(stack, clients):
     import subprocess
-
-    import httpx
 
     put_policy(stack, "triage", {"threshold": 1.0, "action": "review", "message": "A specialist will answer."})
     out = clients["inprocess"].chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=8,
@@ -430,9 +422,9 @@ def test_a_review_round_trip_becomes_counted_feedback(stack, clients):
     (queued,) = [json.loads(line) for line in listed.splitlines()]
     assert queued["id"] == cal["review_id"] and queued["answer"] == got_text(clients, CAPITAL)
     assert queued["answer_option"] is None and 0 <= queued["waited_s"] < 600  # free form: no option to name
-    closed = httpx.post(f"{stack['inprocess']}/admin/reviews/{cal['review_id']}", json={"correct": True}, headers=ADMIN)
+    closed = http.post(f"{stack['inprocess']}/admin/reviews/{cal['review_id']}", json={"correct": True}, headers=ADMIN)
     assert closed.status_code == 200 and closed.json()["status"] == "closed"
-    metrics = httpx.get(f"{stack['inprocess']}/metrics").text
+    metrics = http.get(f"{stack['inprocess']}/metrics").text
     for line in ('calm_feedback_total{correct="true",domain="triage"} 1.0', 'calm_online_accuracy{domain="triage"} 1.0',
                  'calm_reviews_total{domain="triage",event="closed"} 1.0'):
         assert line in metrics, line

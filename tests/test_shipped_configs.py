@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from gateway.settings import DEV_ADMIN_KEY, GatewaySettings
-from tests.servers import REPO, background, free_port, wait_until
+from tests.servers import background, free_port, http, REPO, wait_until
 from tests.test_client_keys import make_app
 
 COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()
@@ -141,15 +141,15 @@ def test_haproxy_passes_the_engines_only_the_routes_their_key_guards_and_health(
 
             def health():
                 try:
-                    return httpx.get(f"{base}/health", timeout=2).status_code == 200
+                    return http.get(f"{base}/health", timeout=2).status_code == 200
                 except httpx.TransportError:
                     return False
 
             wait_until("HAProxy to forward /health", health, timeout=30, every=0.2)
-            assert httpx.post(f"{base}/v1/completions", json={}).text == "/v1/completions"
-            assert httpx.post(f"{base}/v1/load_lora_adapter", json={}).status_code == 200  # vLLM checks the key
+            assert http.post(f"{base}/v1/completions", json={}).text == "/v1/completions"
+            assert http.post(f"{base}/v1/load_lora_adapter", json={}).status_code == 200  # vLLM checks the key
             for path in ("/invocations", "/tokenize", "/metrics", "/v1"):
-                assert httpx.post(f"{base}{path}", json={}).status_code == 403, path
+                assert http.post(f"{base}{path}", json={}).status_code == 403, path
     finally:
         for engine in engines:
             engine.shutdown()
