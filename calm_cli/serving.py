@@ -19,7 +19,7 @@ from calm_cli.common import gateway_settings
 from calm_core.artifact import load_artifact
 from calm_core.errors import CalmError
 from calm_core.hashing import vocab_sha256
-from calm_core.models import EMBEDDED_ID, ResolvedModel, resolve_model
+from calm_core.models import EMBEDDED_ID, ResolvedModel, model_tokenizer, model_vocab_size, resolve_model
 from calm_core.paths import BUNDLED_DIR
 from calm_core.startup import stage
 from gateway.settings import EngineKind
@@ -38,12 +38,10 @@ def load_checked(model: ResolvedModel, artifact_path: Path, tokenizer=None):
     """(tokenizer, artifact): the artifact verified against the model's tokenizer (loaded unless given: a gateway
     loading another version passes its own, since a tokenizer load holds the GIL for most of a second and stalls the
     requests the gateway serves meanwhile) and vocabulary."""
-    from transformers import AutoConfig, AutoTokenizer
-
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.path)
-    vocab = int(AutoConfig.from_pretrained(model.path).vocab_size)
-    artifact = load_artifact(artifact_path, expect_vocab_size=vocab, expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
+        tokenizer = model_tokenizer(Path(model.path))
+    artifact = load_artifact(artifact_path, expect_vocab_size=model_vocab_size(Path(model.path)),
+                             expect_tokenizer_sha256=vocab_sha256(tokenizer.get_vocab()))
     return tokenizer, artifact
 
 

@@ -137,3 +137,51 @@ def model_weights_sha256(model: ResolvedModel) -> str:
     if manifest and "source_sha256" in manifest:
         return f"gguf:{manifest['source_sha256']}"
     return weights_sha256(model.path)
+
+
+# A tokenizer that is tokenizer.json and nothing else, for a model type whose tokenizer AutoTokenizer takes as the hub
+# names it, loads by that class itself, without AutoTokenizer's import of transformers' model code, which brings torch
+# and scikit-learn (~3.4 CPU s and ~0.3 GB): a gateway whose engines are upstream servers (a fleet replica) loads
+# neither otherwise. Every other tokenizer goes through AutoTokenizer, which for some model types puts its own class in
+# place of a generic hub one (transformers' MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, Mistral's, remote code): the
+# model types here are those tests/test_engine_settings.py checks it does not for.
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+PLAIN_TOKENIZER_MODEL_TYPES = ("llama",)
+
+
+def model_tokenizer(path: Path):
+    """The model's tokenizer, the class AutoTokenizer picks."""
+    import transformers
+
+    named = _json_file(path / "tokenizer_config.json").get("tokenizer_class")
+    if named in PLAIN_TOKENIZER_CLASSES and plain_tokenizer_files(path):
+        return getattr(transformers, named).from_pretrained(str(path))
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def plain_tokenizer_files(path: Path) -> bool:
+    """Whether the folder's tokenizer is tokenizer.json for a model type AutoTokenizer leaves to its hub class, with no
+    code of its own (auto_map)."""
+    tokenizer_config, config = _json_file(path / "tokenizer_config.json"), _json_file(path / "config.json")
+    return ((path / "tokenizer.json").is_file() and config.get("model_type") in PLAIN_TOKENIZER_MODEL_TYPES
+            and "auto_map" not in tokenizer_config and "auto_map" not in config)
+
+
+def model_vocab_size(path: Path) -> int:
+    """Rows of the model's LM head, as AutoConfig reads them (config.json's `vocab_size`; AutoConfig itself where the
+    field is elsewhere, as in a multimodal model's text config)."""
+    size = _json_file(path / "config.json").get("vocab_size")
+    if isinstance(size, int):
+        return size
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(str(path)).vocab_size)
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON object file's contents; {} where it is missing or not one."""
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}

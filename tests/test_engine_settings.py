@@ -282,6 +282,58 @@ def test_a_served_copy_of_the_weights_gets_the_tokenizer_files_transformers_woul
     assert again.get_vocab() == original.get_vocab() and again.chat_template == original.chat_template
 
 
+def test_a_gateway_loads_the_tokenizer_and_vocabulary_size_autotokenizer_and_autoconfig_give(tmp_path,
+                                                                                               embedded_model_dir):
+    """A gateway (calm_cli/serving.py, through calm_core/models.py) loads a tokenizer that is tokenizer.json alone by
+    its own class (AutoTokenizer's import brings torch, which an upstream gateway needs for nothing else:
+    tests/test_upstream.py checks it stays out) and reads the vocabulary size from config.json: the same class,
+    vocabulary, template and token ids as AutoTokenizer, the same size as AutoConfig; a tokenizer of another class,
+    and a config without the field, go through them."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, TOKENIZER_MAPPING_NAMES,
+    )
+
+    from calm_core.models import (
+        PLAIN_TOKENIZER_CLASSES, PLAIN_TOKENIZER_MODEL_TYPES, model_tokenizer, model_vocab_size, plain_tokenizer_files,
+    )
+
+    # The model types taken by their own class are ones AutoTokenizer leaves to the hub's generic class (this
+    # transformers: none it replaces, none registered to a class of its own).
+    for model_type in PLAIN_TOKENIZER_MODEL_TYPES:
+        assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        assert TOKENIZER_MAPPING_NAMES.get(model_type) in (None, *PLAIN_TOKENIZER_CLASSES), model_type
+
+    other = tmp_path / "other"
+    shutil.copytree(embedded_model_dir, other, ignore=shutil.ignore_patterns("*.safetensors", "*.gguf"))
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"}))
+    text = [{"role": "user", "content": "Which gas do plants absorb? Ünïcode, digits 12345 and  spaces."}]
+    for folder in (embedded_model_dir, other):
+        ours, theirs = model_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+        assert type(ours) is type(theirs) and ours.get_vocab() == theirs.get_vocab()
+        assert ours.apply_chat_template(text, add_generation_prompt=True) == \
+            theirs.apply_chat_template(text, add_generation_prompt=True)
+    assert config["tokenizer_class"] in PLAIN_TOKENIZER_CLASSES  # the embedded model's takes the torch-free path
+    assert plain_tokenizer_files(embedded_model_dir)
+    assert type(model_tokenizer(other)).__name__ not in PLAIN_TOKENIZER_CLASSES  # another class: AutoTokenizer's
+    # A generic class for a model type AutoTokenizer gives its own class (Qwen2's), or with code of its own: not taken.
+    model_config = json.loads((other / "config.json").read_text())
+    for changed in ({**model_config, "model_type": "qwen2"}, {**model_config, "auto_map": {"AutoModel": "x.Y"}}):
+        (other / "tokenizer_config.json").write_text(json.dumps(config))
+        (other / "config.json").write_text(json.dumps(changed))
+        assert not plain_tokenizer_files(other)
+    (other / "config.json").write_text(json.dumps(model_config))
+    assert plain_tokenizer_files(other)
+    assert model_vocab_size(embedded_model_dir) == AutoConfig.from_pretrained(embedded_model_dir).vocab_size == 49152
+    del model_config["vocab_size"]
+    (other / "config.json").write_text(json.dumps(model_config))
+    assert model_vocab_size(other) == AutoConfig.from_pretrained(other).vocab_size  # the architecture's default
+
+
 @pytest.mark.parametrize("merged, folded, free_form_mode, free_form_answers, engines", [
     # merged adapter (CPU's default), one-pass scoring, a free-form mode: the shipped artifact as a gateway serves it
     (True, True, True, True, ["adapter", "folded", "free_form"]),

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.servers import calm_argv, free_port, metric_values, running, wait_until
+from tests.servers import calm_argv, free_port, http, metric_values, running, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "calm-smollm2-135m"
@@ -22,7 +22,7 @@ QUESTION = {"messages": [{"role": "user", "content": "Which planet is largest?"}
 
 
 def chat(base: str, **body) -> httpx.Response:
-    return httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
+    return http.post(f"{base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=60)
 
 
 def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
@@ -30,7 +30,8 @@ def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
     port = free_port()
     env = {"CALM_ENGINE": "upstream", "CALM_UPSTREAM_URLS": f'["{dead}"]', "CALM_DB_PATH": str(tmp_path / "g.db")}
     # /v1/models needs no engine, so it tells when the gateway is up even though /health must fail.
-    with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/v1/models", tmp_path / "gw.log", env):
+    with running(calm_argv("serve", "--port", str(port)), f"http://127.0.0.1:{port}/v1/models", tmp_path / "gw.log",
+                 env) as gateway:
         base = f"http://127.0.0.1:{port}"
         for body in (QUESTION, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}):
             start = time.monotonic()
@@ -38,12 +39,16 @@ def test_dead_upstream_returns_503_quickly(tmp_path, embedded_model_dir):
             # A refused connection is answered at once; 10 s is far under the 30 s read timeout a waiting request hits.
             assert time.monotonic() - start < 10
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
-        stream = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
+        stream = http.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
                                                                   "messages": [{"role": "user", "content": "hi"}]})
         assert '"service_unavailable_error"' in stream.text and stream.text.rstrip().endswith("data: [DONE]")
-        assert httpx.get(f"{base}/health").status_code == 503
-        metrics = httpx.get(f"{base}/metrics").text
+        assert http.get(f"{base}/health").status_code == 503
+        metrics = http.get(f"{base}/metrics").text
         assert 'calm_requests_total{domain="science",endpoint="chat",status="503"} 1.0' in metrics
+        # Its engines are elsewhere: nothing it ran loaded torch or scikit-learn (AutoTokenizer's import would: ~3.5 CPU
+        # s and ~0.3 GB per replica; calm_core/models.py model_tokenizer).
+        libraries = Path(f"/proc/{gateway.pid}/maps").read_text()
+        assert "libtorch" not in libraries and "sklearn" not in libraries
 
 
 def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped_model):
@@ -83,9 +88,9 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         assert cal["raw_confidence"] == pytest.approx(raw[chosen], abs=1e-3)
         free = chat(base, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
         assert free.status_code == 200 and "Paris" in free.json()["choices"][0]["message"]["content"]
-        free_form_path = httpx.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["scoring"]["free_form"]  # as this engine serves it
+        free_form_path = http.get(f"{base}/health", headers={"Authorization": "Bearer dev-admin-key"}).json()["scoring"]["free_form"]  # as this engine serves it
         assert "as a vLLM LoRA loaded at run time" in free_form_path and "no raw confidence" in free_form_path
-        lines = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
+        lines = http.post(f"{base}/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 6,
                            "messages": [{"role": "user", "content": "Count: one, two,"}]}).text.strip().split("\n\n")
         assert lines[-1] == "data: [DONE]" and '"calibration"' in lines[-2]
 
@@ -94,7 +99,7 @@ def test_gateway_over_calm_engine_matches_hf(tmp_path, shipped_artifact, shipped
         # The engine is a stock vLLM server with the α-head plugin: a request may name a version of the registry by
         # name (here the engine's own), never a path.
         def direct(head: str) -> httpx.Response:
-            return httpx.post(f"{engine_url}/v1/completions", timeout=60, json={
+            return http.post(f"{engine_url}/v1/completions", timeout=60, json={
                 "model": MODEL, "prompt": "The sky is", "max_tokens": 1, "vllm_xargs": {"calm_head": head}})
 
         assert direct(shipped_artifact.manifest.artifact_version).status_code == 200
