@@ -119,9 +119,34 @@ def test_versions_that_differ_by_their_heads_alone_share_each_forward_pass(serve
     monkeypatch.setattr(cloze, "run_layers_masked", lambda *a, **k: packed_forwards.append(1) or run(*a, **k))
     # Three sets, as the gate scores them (captured prompts, test questions, uploaded labels: here none).
     sets = (questions[:4], questions[4:], [])
+    lm_head_rows, make_decoder = [], engine.decoder
+
+    def counting_decoder(model):
+        stack, lm_head = make_decoder(model)
+        return stack, lambda states: lm_head_rows.append(len(states)) or lm_head(states)
+
+    monkeypatch.setattr(engine, "decoder", counting_decoder)
     together = scoring.served_probabilities(versions, str(embedded_model_dir), *sets)
     assert len(loads) == 2  # the shipped adapter's four versions: one load; the other adapter: its own
     assert len(packed_forwards) == 4  # cloze: one batch per set and set of weights, not one per version
+    # The LM head too runs once per packed question for the versions sharing the weights (the memo keeps its logits):
+    # both cloze versions of the shipped adapter cost what one does, as much as the other adapter's one.
+    rows_together = sum(lm_head_rows)
+    lm_head_rows.clear()
+    scoring.served_probabilities(versions[:1], str(embedded_model_dir), *sets)
+    assert rows_together == 2 * sum(lm_head_rows) > 0
+    # Sharers go through the questions a chunk at a time (a memo per chunk bounds the logits kept): the same numbers,
+    # the same LM-head rows, the 4 questions of the first set in chunks of 3 and 1.
+    rows_alone = sum(lm_head_rows)
+    lm_head_rows.clear()
+    packed_forwards.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(scoring, "SHARED_CHUNK", 3)
+        chunked = scoring.served_probabilities(versions[:2], str(embedded_model_dir), *sets)
+    assert sum(lm_head_rows) == rows_alone and len(packed_forwards) == 3  # a batch per chunk: 3 + 1 questions, then 2
+    for got, want in zip(chunked, together[:2]):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, atol=1e-6)
     assert [len(p[2]) for p in together] == [0] * 5
     model, tokenizer = served
     for (name, (h, _, fmt)), probs in zip(list(made.items())[:4], together):

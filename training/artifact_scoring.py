@@ -20,11 +20,16 @@ from calm_core.artifact import LoadedArtifact, load_artifact
 from calm_core.data import MCQuestion
 from calm_core.hashing import vocab_sha256
 from calm_core.prompts import AnswerFormat
-from calm_core.scorers.base import PostHoc
+from calm_core.scorers.base import PostHoc, ScoredChoice
 from calm_core.scorers.questions import option_matrix, score_options
 from training.frozen_states import FrozenStates
 from training.offline_engine import ForwardMemo, OfflineEngine
 from training.scoring import load_causal_lm, load_tokenizer, output_vocab_size
+
+# Questions per memo where versions share one: a memo holds its questions' logits (~0.2 MB per scored position: ~8 MB
+# for a four-option question of a few tokens each) until every sharer has read them. The offline engine's batch: as
+# many forward passes as without chunks.
+SHARED_CHUNK = 8
 
 
 def load_verified_artifact(path: str | Path, model_path: str, tokenizer) -> LoadedArtifact:
@@ -85,14 +90,19 @@ def served_probabilities(versions: list[LoadedArtifact], model_path: str, *quest
         done.update(sharing)
         model = load_served_model(model_path, version.adapter_dir)
         bottom = frozen if frozen is not None and frozen.serve(model) else None
-        for qs in question_sets:  # a memo per set, only where versions share it: memory bounded by one set
-            memo = {} if len(sharing) > 1 else None
+        for qs in question_sets:
+            scored: dict[int, list[ScoredChoice]] = {m: [] for m in sharing}
+            # Sharers go through a chunk at a time, a memo per chunk: it holds the chunk's logits until the last
+            # sharer has read them (SHARED_CHUNK).
+            step = SHARED_CHUNK if len(sharing) > 1 else max(len(qs), 1)
+            for chunk in (qs[i : i + step] for i in range(0, len(qs), step)):
+                memo = {} if len(sharing) > 1 else None
+                for m in sharing:
+                    manifest = versions[m].manifest
+                    scored[m] += scored_choices(model, tokenizer, chunk, manifest.answer_format, versions[m].head,
+                                                option_temperature=manifest.option_temperature, memo=memo, frozen=bottom)
             for m in sharing:
-                manifest = versions[m].manifest
-                out[m].append(option_probabilities(model, tokenizer, qs, manifest.answer_format, versions[m].head,
-                                                   option_temperature=manifest.option_temperature, memo=memo,
-                                                   frozen=bottom)
-                              if qs else np.zeros((0, 0)))
+                out[m].append(option_matrix(scored[m]) if qs else np.zeros((0, 0)))
         del model
     return out
 
@@ -104,6 +114,14 @@ def option_probabilities(model, tokenizer, questions: list[MCQuestion], format_n
     """(N, max options) each question's distribution over its options (padding columns 0), through the α head and a
     recalibrated version's option temperature. `memo`, `frozen`: shared by engines over this model, or over models
     with this frozen bottom (OfflineEngine)."""
+    return option_matrix(scored_choices(model, tokenizer, questions, format_name, head, batch_size, progress,
+                                        option_temperature, memo, frozen))
+
+
+def scored_choices(model, tokenizer, questions: list[MCQuestion], format_name: AnswerFormat, head: AlphaHead | None,
+                   batch_size: int = 8, progress: Callable[[int], None] | None = None, option_temperature: float = 1.0,
+                   memo: ForwardMemo | None = None, frozen: FrozenStates | None = None) -> list[ScoredChoice]:
+    """option_probabilities' answers before they become a matrix."""
     engine = OfflineEngine(model, tokenizer, head, batch_size, memo=memo, frozen=frozen)
-    return option_matrix(asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress,
-                                                   post_hoc=PostHoc(option_temperature))))
+    return asyncio.run(score_options(engine, tokenizer, questions, format_name, progress=progress,
+                                     post_hoc=PostHoc(option_temperature)))

@@ -34,8 +34,9 @@ from training.frozen_states import FrozenStates
 from training.top_layers import decoder, run_layers_masked
 
 Pending = tuple[EngineRequest, tuple[int, ...], asyncio.Future]
-# What the model computed for a request (keyed by its token ids) or a packed group of them (by all their ids): the
-# final hidden states of a packed row, the last position's logits of a plain request. Valid for one model only.
+# What the model computed for a request (keyed by its token ids) or a packed group of them (by all their ids and the
+# first position read): the logits of a packed row from that position, the last position's logits of a plain request.
+# Valid for one model only; ~0.2 MB per position of a 49,152-token vocabulary, so sharers bound what they keep.
 ForwardMemo = dict[tuple, torch.Tensor]
 
 
@@ -150,10 +151,16 @@ class OfflineEngine:
             ids = [i for _, i in group]
             prefix = min(min(shared_prefix(ids[0], other) for other in ids), min(map(len, ids)) - 1)
             layouts.append((prefix, pack_question(ClozeTokens(ids[0][:prefix], tuple(i[prefix:] for i in ids)))))
-        keys = [tuple(i for _, i in group) for group in groups]
+        firsts = [[first_read_row(request, len(own)) for request, own in group] for group in groups]
+        # The LM head runs over a packed row from the first position any request reads: the prefix's read rows, then
+        # every continuation. What it gives is kept by that row (and that first position), so versions sharing the memo
+        # (a head-only candidate and its parent) run the LM head once too, not only the layers below it.
+        keys = [(tuple(i for _, i in group), min(min(read), prefix)) for group, read, (prefix, _) in
+                zip(groups, firsts, layouts)]
         memo = {} if self.memo is None else self.memo
         stack, lm_head = decoder(self.model)
         todo = [n for n, key in enumerate(keys) if key not in memo]
+        states = {}  # the read rows' final states; their logits are made one group at a time, kept only when shared
         if todo:
             packed = [layouts[n][1] for n in todo]
             segment = pad_packed(packed, [q.segment for q in packed], PAD_SEGMENT).to(self.device)
@@ -164,15 +171,15 @@ class OfflineEngine:
                 hidden = run_layers_masked(stack, stack.layers[self.frozen.layer :], self._frozen_states(packed),
                                            packed_mask(segment), positions)
             for row, n in enumerate(todo):
-                memo[keys[n]] = stack.norm(hidden[row, : len(packed[row].input_ids)])
+                states[keys[n]] = stack.norm(hidden[row, keys[n][1] : len(packed[row].input_ids)])
         deltas = []
-        for group, key, (prefix, _) in zip(groups, keys, layouts):
-            firsts = [first_read_row(request, len(own)) for request, own in group]
-            # The LM head over the packed row from the first position any request reads: the prefix's read rows, then
-            # every continuation.
-            top = min(min(firsts), prefix)
-            logits, start = lm_head(memo[key][top:]).float(), prefix
-            for (request, own), first in zip(group, firsts):
+        for group, read, key, (prefix, _) in zip(groups, firsts, keys, layouts):
+            top = key[1]
+            logits = memo[key] if key in memo else lm_head(states[key]).float()
+            if self.memo is not None:
+                memo[key] = logits
+            start = prefix
+            for (request, own), first in zip(group, read):
                 rows = list(range(prefix)) + list(range(start, start + len(own) - prefix))
                 start += len(own) - prefix
                 deltas.append(self._delta(request, own, logits[[row - top for row in rows[first:]]], first))
