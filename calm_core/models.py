@@ -153,18 +153,21 @@ def model_tokenizer(path: Path):
     """The model's tokenizer, the class AutoTokenizer picks."""
     import transformers
 
-    named = _json_file(path / "tokenizer_config.json").get("tokenizer_class")
-    if named in PLAIN_TOKENIZER_CLASSES and plain_tokenizer_files(path):
+    named = plain_tokenizer_class(path)
+    if named is not None:
         return getattr(transformers, named).from_pretrained(str(path))
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
-def plain_tokenizer_files(path: Path) -> bool:
-    """Whether the folder's tokenizer is tokenizer.json for a model type AutoTokenizer leaves to its hub class, with no
-    code of its own (auto_map)."""
+def plain_tokenizer_class(path: Path) -> str | None:
+    """The folder's tokenizer class where it is a plain one (PLAIN_TOKENIZER_CLASSES) in tokenizer.json, for a model
+    type AutoTokenizer leaves to its hub class, with no code of its own (auto_map); None otherwise."""
     tokenizer_config, config = _json_file(path / "tokenizer_config.json"), _json_file(path / "config.json")
-    return ((path / "tokenizer.json").is_file() and config.get("model_type") in PLAIN_TOKENIZER_MODEL_TYPES
-            and "auto_map" not in tokenizer_config and "auto_map" not in config)
+    named = tokenizer_config.get("tokenizer_class")
+    plain = (named in PLAIN_TOKENIZER_CLASSES and (path / "tokenizer.json").is_file()
+             and config.get("model_type") in PLAIN_TOKENIZER_MODEL_TYPES
+             and "auto_map" not in tokenizer_config and "auto_map" not in config)
+    return named if plain else None
 
 
 def model_vocab_size(path: Path) -> int:

@@ -298,7 +298,7 @@ def test_a_gateway_loads_the_tokenizer_and_vocabulary_size_autotokenizer_and_aut
     )
 
     from calm_core.models import (
-        PLAIN_TOKENIZER_CLASSES, PLAIN_TOKENIZER_MODEL_TYPES, model_tokenizer, model_vocab_size, plain_tokenizer_files,
+        PLAIN_TOKENIZER_CLASSES, PLAIN_TOKENIZER_MODEL_TYPES, model_tokenizer, model_vocab_size, plain_tokenizer_class,
     )
 
     # The model types taken by their own class are ones AutoTokenizer leaves to the hub's generic class (this
@@ -318,16 +318,16 @@ def test_a_gateway_loads_the_tokenizer_and_vocabulary_size_autotokenizer_and_aut
         assert ours.apply_chat_template(text, add_generation_prompt=True) == \
             theirs.apply_chat_template(text, add_generation_prompt=True)
     assert config["tokenizer_class"] in PLAIN_TOKENIZER_CLASSES  # the embedded model's takes the torch-free path
-    assert plain_tokenizer_files(embedded_model_dir)
+    assert plain_tokenizer_class(embedded_model_dir) == config["tokenizer_class"]
     assert type(model_tokenizer(other)).__name__ not in PLAIN_TOKENIZER_CLASSES  # another class: AutoTokenizer's
     # A generic class for a model type AutoTokenizer gives its own class (Qwen2's), or with code of its own: not taken.
     model_config = json.loads((other / "config.json").read_text())
     for changed in ({**model_config, "model_type": "qwen2"}, {**model_config, "auto_map": {"AutoModel": "x.Y"}}):
         (other / "tokenizer_config.json").write_text(json.dumps(config))
         (other / "config.json").write_text(json.dumps(changed))
-        assert not plain_tokenizer_files(other)
+        assert plain_tokenizer_class(other) is None
     (other / "config.json").write_text(json.dumps(model_config))
-    assert plain_tokenizer_files(other)
+    assert plain_tokenizer_class(other) == config["tokenizer_class"]
     assert model_vocab_size(embedded_model_dir) == AutoConfig.from_pretrained(embedded_model_dir).vocab_size == 49152
     del model_config["vocab_size"]
     (other / "config.json").write_text(json.dumps(model_config))
