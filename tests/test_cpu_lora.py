@@ -10,6 +10,7 @@ import importlib.util
 import pytest
 import torch
 from vllm.lora.layers.utils import LoRAMapping
+from vllm.lora.ops import torch_ops
 from vllm.lora.ops.torch_ops import lora_ops
 from vllm.lora.punica_wrapper import punica_cpu
 
@@ -87,12 +88,48 @@ def test_a_token_without_an_adapter_gets_no_delta_where_vllms_fallback_gives_it_
     assert torch.equal(everything_base, torch.full((3, 11), 7.0))
 
 
-@pytest.fixture
-def installed(monkeypatch):
-    for module in (lora_ops, punica_cpu):  # restored after the test, whatever this process had
+def test_other_dtypes_int32_indices_and_an_empty_batch_as_vllms():
+    theirs = vllms_ops()
+    x, w, y, idx = case(5, 6, 10, [0, 2, 2, 1, 0], True)
+    for inputs, weights, out, indices in ((x.bfloat16(), w, y, idx), (x, w.bfloat16(), y, idx.int()),
+                                          (x, w, y.bfloat16(), idx), (x[:0], w, y[:0], idx[:0])):
+        expected, got = out.clone(), out.clone()
+        theirs.bgmv_expand(inputs, weights, expected, indices, True)
+        cpu_lora.bgmv_expand(inputs, weights, got, indices, True)
+        torch.testing.assert_close(got, expected, rtol=1e-2 if got.dtype == torch.bfloat16 else 1e-5, atol=1e-2 if
+                                   got.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_indices_of_another_length_than_the_inputs_take_vllms_product():
+    """One input row and three indices: vLLM's product broadcasts the row, ours too (a row without an adapter: none);
+    three rows and two indices: vLLM's raises, ours too."""
+    theirs = vllms_ops()
+    x, w, _, _ = case(1, 6, 10, [0], True)
+    expected, got = torch.zeros(3, 6), torch.zeros(3, 6)
+    theirs.bgmv_shrink(x, w, expected, torch.tensor([0, 2, 1]), 1.0)
+    cpu_lora.bgmv_shrink(x, w, got, torch.tensor([0, 2, 1]), 1.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    cpu_lora.bgmv_shrink(x, w, got, torch.tensor([0, -1, 1]), 1.0)
+    assert torch.equal(got[1], torch.zeros(6)) and torch.allclose(got[2], expected[2])
+    with pytest.raises(RuntimeError):
+        theirs.bgmv_shrink(torch.randn(3, 10), w, torch.zeros(3, 6), torch.tensor([0, 1]), 1.0)
+    with pytest.raises(RuntimeError):
+        cpu_lora.bgmv_shrink(torch.randn(3, 10), w, torch.zeros(3, 6), torch.tensor([0, 1]), 1.0)
+
+
+def keep_vllms_names(monkeypatch) -> None:
+    """Whatever this process has in the three modules install() writes to comes back after the test."""
+    for module in (lora_ops, torch_ops, punica_cpu):
         for name in cpu_lora._PARAMETERS:
             monkeypatch.setattr(module, name, getattr(module, name))
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    keep_vllms_names(monkeypatch)
     assert cpu_lora.install()
+    assert all(getattr(m, name) is getattr(cpu_lora, name) for m in (lora_ops, torch_ops, punica_cpu)
+               for name in cpu_lora._PARAMETERS)
 
 
 @pytest.mark.parametrize("prefill", [True, False])
@@ -116,17 +153,33 @@ def test_vllms_cpu_punica_wrapper_applies_each_requests_adapter_and_none_to_a_ba
         torch.testing.assert_close(y[row], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_lora_on_the_lm_head_gives_a_base_request_none(installed):
+    """The logits' LoRA goes by request (sampler indices): adapter 9's request gets its delta, the base one none."""
+    wrapper = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=8, device="cpu")
+    tokens = (0, 0, 9, 9, 9)
+    wrapper.update_metadata(LoRAMapping(index_mapping=tokens, prompt_mapping=(0, 9), is_prefill=True), [7, 9], 2, 1000)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(2, 16, generator=g), torch.randn(2, 30, generator=g)
+    a, b = torch.randn(2, 1, 4, 16, generator=g), torch.randn(2, 1, 30, 4, generator=g)
+    before = y.clone()
+    wrapper.add_lora_logits(y, x, a, b, 0.5)
+    assert torch.equal(y[0], before[0])
+    torch.testing.assert_close(y[1], before[1] + 0.5 * (b[1, 0] @ (a[1, 0] @ x[1])), rtol=1e-5, atol=1e-5)
+
+
 def test_install_keeps_vllms_ops_where_their_parameters_differ(monkeypatch):
     def changed(inputs, weights, output, indices, scaling, extra):
         raise AssertionError("not called")
 
+    keep_vllms_names(monkeypatch)
     theirs = vllms_ops()
-    monkeypatch.setattr(lora_ops, "bgmv_shrink", changed)
-    for module in (lora_ops, punica_cpu):
-        monkeypatch.setattr(module, "bgmv_expand", theirs.bgmv_expand)
+    for module in (lora_ops, torch_ops, punica_cpu):
+        for name in cpu_lora._PARAMETERS:
+            setattr(module, name, getattr(theirs, name))
+    lora_ops.bgmv_shrink = changed
     assert cpu_lora.install() is False
     assert lora_ops.bgmv_shrink is changed
-    assert lora_ops.bgmv_expand is theirs.bgmv_expand and punica_cpu.bgmv_expand is theirs.bgmv_expand
+    assert all(getattr(m, name) is getattr(theirs, name) for m in (torch_ops, punica_cpu) for name in cpu_lora._PARAMETERS)
 
 
 def test_vllm_finds_the_plugin_among_its_general_plugins():

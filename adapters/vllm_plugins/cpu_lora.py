@@ -4,7 +4,7 @@
 On the CPU platform vLLM applies LoRA with its PyTorch fallback (vllm/lora/ops/torch_ops/lora_ops.py): every `bgmv_*`
 gathers `weights[indices]`, one (out x rank) or (rank x in) matrix per token (with a multi-LoRA engine's rank room of
 64, ~400 KB per token for a gate/up slice), and multiplies them one by one. Here the tokens of each adapter go through one
-product with that adapter's matrix: the same sums, 10-100x less time for 16-512 tokens (benchmarks/engine/
+product with that adapter's matrix: the same sums, 10-50x less time for 16-512 tokens (benchmarks/engines/
 bench_cpu_lora.py), which on a multi-LoRA CPU engine was a fifth of its forward pass.
 
 A token whose index is -1 (a request without an adapter) gets no LoRA delta, as vLLM's GPU kernels and the
@@ -41,6 +41,9 @@ def per_token_products(inputs: torch.Tensor, weights: torch.Tensor, indices: tor
     if weights.dim() == 4:
         weights = weights.squeeze(1)
     inputs = inputs.to(dtype)
+    if indices.shape[0] != inputs.shape[0]:  # vLLM's own product, which broadcasts one row (or raises)
+        outputs = torch.einsum("bi, boi -> bo", inputs, weights[indices.clamp(min=0)].to(dtype))
+        return outputs.masked_fill((indices == -1).unsqueeze(1), 0)
     adapters = torch.unique(indices).tolist()
     if len(adapters) == 1 and adapters[0] >= 0:  # the common batch: every token on one adapter
         return inputs @ weights[adapters[0]].to(dtype).T
@@ -74,6 +77,8 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
                       lora_indices_tensor: torch.Tensor, slice_offset: int, slice_size: int,
                       add_inputs: bool = True) -> None:
     outputs = per_token_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    # add_inputs=False writes zeros to the rows without an adapter (vLLM's GPU kernels leave them): its one caller,
+    # vLLM's CUDA dual-stream path, starts from a zeroed buffer, so the two agree.
     if add_inputs:
         output_tensor[:, slice_offset: slice_offset + slice_size] += outputs[:]
     else:
@@ -81,8 +86,10 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
 
 
 def install() -> bool:
-    """Put these in place of vLLM's CPU fallback: in its ops module (its `sgmv_*` call the `bgmv_*` found there) and in
-    the CPU Punica wrapper, which imported them by name. False, vLLM's left, where vLLM's differ from what these replace."""
+    """Put these in place of vLLM's CPU fallback: in its ops module (its `sgmv_*` call the `bgmv_*` found there), in the
+    package that re-exports them, and in the CPU Punica wrapper, which imported them by name. False, vLLM's left, where
+    vLLM's differ from what these replace."""
+    from vllm.lora.ops import torch_ops
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
@@ -93,9 +100,10 @@ def install() -> bool:
             logger.warning("vLLM's %s is not the one CALM's CPU LoRA ops replace: vLLM's kept", name)
             return False
     for name, function in ours.items():
-        setattr(lora_ops, name, function)
-        if hasattr(punica_cpu, name):
-            setattr(punica_cpu, name, function)
+        for module in (lora_ops, torch_ops, punica_cpu):
+            if hasattr(module, name):
+                setattr(module, name, function)
+    logger.info("vLLM's CPU LoRA ops: one product per adapter (adapters/vllm_plugins/cpu_lora.py)")
     return True
 
 

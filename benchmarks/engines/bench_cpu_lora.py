@@ -27,9 +27,11 @@ sys.path.insert(0, str(REPO))
 HIDDEN, KV, MLP, RANK, SLOTS = 576, 192, 1536, 64, 4
 PROJECTIONS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)), "gate_up": (HIDDEN, (MLP, MLP)),
                "down": (MLP, (HIDDEN,))}
-# (requests, tokens each, adapters among them, prefill)
-BATCHES = {"decode, 8 requests on 1 adapter": (8, 1, 1, False), "prefill, 1 x 16 tokens": (1, 16, 1, True),
-           "prefill, 1 x 128 tokens": (1, 128, 1, True), "prefill, 4 x 128 tokens, 2 adapters": (4, 128, 2, True)}
+# (requests, tokens each, adapters among them). vLLM's CPU runner marks every batch a prefill (its LoRA mixin), so a
+# decode step is one token per request through the same `sgmv_*` path.
+BATCHES = {"decode, 8 requests on 1 adapter": (8, 1, 1), "decode, 8 requests on 2 adapters": (8, 1, 2),
+           "prefill, 1 x 16 tokens": (1, 16, 1), "prefill, 1 x 128 tokens": (1, 128, 1),
+           "prefill, 4 x 128 tokens, 2 adapters": (4, 128, 2)}
 
 
 def ops_modules():
@@ -52,15 +54,15 @@ def use(ops) -> None:
         setattr(punica_cpu, name, getattr(ops, name))
 
 
-def layer_call(requests: int, tokens: int, adapters: int, prefill: bool):
+def layer_call(requests: int, tokens: int, adapters: int):
     from vllm.lora.layers.utils import LoRAMapping
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
     wrapper = PunicaWrapperCPU(max_num_batched_tokens=4096, max_batches=64, device="cpu")
     ids = [1 + r % adapters for r in range(requests)]
     per_token = tuple(i for i in ids for _ in range(tokens))
-    wrapper.update_metadata(LoRAMapping(index_mapping=per_token, prompt_mapping=tuple(ids) if prefill else per_token,
-                                        is_prefill=prefill), [1, 2, None, None], SLOTS, 49152)
+    wrapper.update_metadata(LoRAMapping(index_mapping=per_token, prompt_mapping=tuple(ids), is_prefill=True),
+                            [1, 2, None, None], SLOTS, 49152)
     g = torch.Generator().manual_seed(0)
     n = requests * tokens
     projections = []
@@ -101,7 +103,7 @@ def main() -> None:
             call()
             outputs[name] = [y.clone() for _, y, *_ in projections]
         for got, expected in zip(outputs["CALM"], outputs["vLLM"]):
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         calls = max(1, 200 // (shape[0] * shape[1]))
         for _ in range(args.repeats):
             for name, ops in modules.items():
@@ -117,7 +119,7 @@ def main() -> None:
     lines = ["# LoRA per decoder layer on one CPU core: vLLM's CPU fallback ops and CALM's "
              "(`python benchmarks/engines/bench_cpu_lora.py`)", "",
              f"The embedded model's shapes, rank room {RANK}, {SLOTS} slots; through vLLM's PunicaWrapperCPU; median of "
-             f"{args.repeats} interleaved repeats; the same numbers checked first (1e-4).", "",
+             f"{args.repeats} interleaved repeats; the same numbers checked first (1e-5).", "",
              "| batch | tokens | vLLM (ms/layer) | CALM (ms/layer) | vLLM / CALM |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['batch']} | {r['tokens']} | {r['vllm_ms']} | {r['calm_ms']} | {r['ratio']} |" for r in rows]
     (args.out / "cpu_lora.md").write_text("\n".join(lines) + "\n")
