@@ -5,23 +5,15 @@ adapter, none for a token without one, and vLLM's CPU Punica wrapper applying ea
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 
 import pytest
 import torch
 from vllm.lora.layers.utils import LoRAMapping
-from vllm.lora.ops import torch_ops
 from vllm.lora.ops.torch_ops import lora_ops
 from vllm.lora.punica_wrapper import punica_cpu
 
 from adapters.vllm_plugins import cpu_lora
-
-
-def vllms_ops():
-    spec = importlib.util.spec_from_file_location("vllm_lora_ops_as_shipped", lora_ops.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from adapters.vllm_plugins.cpu_lora import holders, vllms_ops
 
 
 def case(tokens: int, out: int, inner: int, indices: list[int], four_dims: bool, seed: int = 0):
@@ -119,7 +111,7 @@ def test_indices_of_another_length_than_the_inputs_take_vllms_product():
 
 def keep_vllms_names(monkeypatch) -> None:
     """Whatever this process has in the three modules install() writes to comes back after the test."""
-    for module in (lora_ops, torch_ops, punica_cpu):
+    for module in holders():
         for name in cpu_lora._PARAMETERS:
             monkeypatch.setattr(module, name, getattr(module, name))
 
@@ -128,8 +120,7 @@ def keep_vllms_names(monkeypatch) -> None:
 def installed(monkeypatch):
     keep_vllms_names(monkeypatch)
     assert cpu_lora.install()
-    assert all(getattr(m, name) is getattr(cpu_lora, name) for m in (lora_ops, torch_ops, punica_cpu)
-               for name in cpu_lora._PARAMETERS)
+    assert all(getattr(m, name) is getattr(cpu_lora, name) for m in holders() for name in cpu_lora._PARAMETERS)
 
 
 @pytest.mark.parametrize("prefill", [True, False])
@@ -173,13 +164,13 @@ def test_install_keeps_vllms_ops_where_their_parameters_differ(monkeypatch):
 
     keep_vllms_names(monkeypatch)
     theirs = vllms_ops()
-    for module in (lora_ops, torch_ops, punica_cpu):
+    for module in holders():
         for name in cpu_lora._PARAMETERS:
             setattr(module, name, getattr(theirs, name))
     lora_ops.bgmv_shrink = changed
     assert cpu_lora.install() is False
     assert lora_ops.bgmv_shrink is changed
-    assert all(getattr(m, name) is getattr(theirs, name) for m in (torch_ops, punica_cpu) for name in cpu_lora._PARAMETERS)
+    assert all(getattr(m, name) is getattr(theirs, name) for m in holders()[1:] for name in cpu_lora._PARAMETERS)
 
 
 def test_vllm_finds_the_plugin_among_its_general_plugins():

@@ -19,6 +19,7 @@ and logs why (tests/test_cpu_lora.py holds both to vLLM's results and to vLLM's 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 
@@ -85,22 +86,38 @@ def bgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor, output
         output_tensor[:, slice_offset: slice_offset + slice_size] = outputs[:]
 
 
-def install() -> bool:
-    """Put these in place of vLLM's CPU fallback: in its ops module (its `sgmv_*` call the `bgmv_*` found there), in the
-    package that re-exports them, and in the CPU Punica wrapper, which imported them by name. False, vLLM's left, where
-    vLLM's differ from what these replace."""
+def holders() -> tuple:
+    """Where vLLM's CPU path finds these functions: its ops module (its `sgmv_*` call the `bgmv_*` found there), the
+    package that re-exports them, and the CPU Punica wrapper, which imported them by name."""
     from vllm.lora.ops import torch_ops
     from vllm.lora.ops.torch_ops import lora_ops
     from vllm.lora.punica_wrapper import punica_cpu
 
-    ours = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
+    return lora_ops, torch_ops, punica_cpu
+
+
+def vllms_ops():
+    """vLLM's fallback ops as it ships them: a second copy of its module, read from vLLM's file, whatever install()
+    replaced in this process (the tests' and the benchmark's reference)."""
+    lora_ops = holders()[0]
+    spec = importlib.util.spec_from_file_location("vllm_lora_ops_as_shipped", lora_ops.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def install() -> bool:
+    """Put these in place of vLLM's CPU fallback wherever it is found (`holders`). False, vLLM's left, where vLLM's
+    differ from what these replace."""
+    modules = holders()
+    ours = {name: globals()[name] for name in _PARAMETERS}
     for name, parameters in _PARAMETERS.items():
-        theirs = getattr(lora_ops, name, None)
+        theirs = getattr(modules[0], name, None)
         if theirs is not ours[name] and (theirs is None or list(inspect.signature(theirs).parameters) != parameters):
             logger.warning("vLLM's %s is not the one CALM's CPU LoRA ops replace: vLLM's kept", name)
             return False
     for name, function in ours.items():
-        for module in (lora_ops, torch_ops, punica_cpu):
+        for module in modules:
             if hasattr(module, name):
                 setattr(module, name, function)
     logger.info("vLLM's CPU LoRA ops: one product per adapter (adapters/vllm_plugins/cpu_lora.py)")

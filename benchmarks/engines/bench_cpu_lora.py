@@ -12,7 +12,6 @@ per layer, the median of 5 interleaved repeats.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -35,23 +34,17 @@ BATCHES = {"decode, 8 requests on 1 adapter": (8, 1, 1), "decode, 8 requests on 
 
 
 def ops_modules():
-    from vllm.lora.ops.torch_ops import lora_ops
-
     from adapters.vllm_plugins import cpu_lora
 
-    spec = importlib.util.spec_from_file_location("vllm_lora_ops_as_shipped", lora_ops.__file__)
-    vllms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vllms)
-    return {"vLLM": vllms, "CALM": cpu_lora}
+    return {"vLLM": cpu_lora.vllms_ops(), "CALM": cpu_lora}
 
 
 def use(ops) -> None:
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
+    from adapters.vllm_plugins.cpu_lora import _PARAMETERS, holders
 
-    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
-        setattr(lora_ops, name, getattr(ops, name))
-        setattr(punica_cpu, name, getattr(ops, name))
+    for module in holders():
+        for name in _PARAMETERS:
+            setattr(module, name, getattr(ops, name))
 
 
 def layer_call(requests: int, tokens: int, adapters: int):
